@@ -1,0 +1,156 @@
+"""Shared fixtures: tiny MNIST-format data made here, and ways to run the scripts as users do."""
+import os
+import queue
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+FILES = ('train-images-idx3-ubyte', 'train-labels-idx1-ubyte',
+         't10k-images-idx3-ubyte', 't10k-labels-idx1-ubyte')
+
+
+def write_idx(path, array):
+    """Write a uint8 array as an IDX file (the format of the MNIST files)."""
+    magic = 0x0800 | array.ndim  # 0x08: unsigned byte
+    header = magic.to_bytes(4, 'big') + b''.join(d.to_bytes(4, 'big') for d in array.shape)
+    Path(path).write_bytes(header + array.astype(np.uint8).tobytes())
+
+
+def make_mnist(root, n_train, n_test, seed=0):
+    """Fake MNIST under root/MNIST/raw: class k is a bright 8x8 square at one of 10 places, in noise."""
+    rng = np.random.default_rng(seed)
+    raw = Path(root) / 'MNIST' / 'raw'
+    raw.mkdir(parents=True, exist_ok=True)
+    for prefix, n in (('train', n_train), ('t10k', n_test)):
+        labels = rng.integers(0, 10, n)
+        images = rng.integers(0, 90, (n, 28, 28))
+        for i, k in enumerate(labels):
+            row, col = 2 + 12 * (k // 5), 1 + 5 * (k % 5)
+            images[i, row:row + 8, col:col + 8] += 150
+        write_idx(raw / f'{prefix}-images-idx3-ubyte', images)
+        write_idx(raw / f'{prefix}-labels-idx1-ubyte', labels)
+    return Path(root)
+
+
+@pytest.fixture(scope='session')
+def mnist_dir(tmp_path_factory):
+    """A small set: 640 training and 200 validation images."""
+    return make_mnist(tmp_path_factory.mktemp('data'), 640, 200)
+
+
+@pytest.fixture(scope='session')
+def mnist_big_dir(tmp_path_factory):
+    """Long enough epochs (about a second) to stop a process in the middle of one."""
+    return make_mnist(tmp_path_factory.mktemp('data_big'), 12800, 200, seed=1)
+
+
+def script_env(**extra):
+    env = {k: v for k, v in os.environ.items()
+           if k not in ('RANK', 'WORLD_SIZE', 'LOCAL_RANK', 'MASTER_ADDR', 'MASTER_PORT', 'MNIST_MIRROR')}
+    env.update(OMP_NUM_THREADS='1', CUDA_VISIBLE_DEVICES='')
+    env.update(extra)
+    return env
+
+
+def run(args, env=None, timeout=180, check=True):
+    """Run a command in the project root; return (returncode, stdout, stderr)."""
+    result = subprocess.run([str(a) for a in args], cwd=ROOT, env=env or script_env(),
+                            capture_output=True, text=True, timeout=timeout)
+    if check and result.returncode != 0:
+        raise AssertionError(f'{args} exited {result.returncode}\n--- stdout\n{result.stdout}'
+                             f'\n--- stderr\n{result.stderr}')
+    return result.returncode, result.stdout, result.stderr
+
+
+def train_cmd(*args):
+    return [sys.executable, ROOT / 'mnist_train.py', *args]
+
+
+def dist_cmd(*args):
+    return [sys.executable, ROOT / 'mnist_train_distributed.py', *args]
+
+
+def torchrun(*args):
+    return [sys.executable, '-m', 'torch.distributed.run', *args]
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(('127.0.0.1', 0))
+        return s.getsockname()[1]
+
+
+class LineReader:
+    """Reads a process's merged output on a thread, so a test can wait for a line with a timeout."""
+
+    def __init__(self, proc):
+        self.proc, self.lines, self._queue = proc, [], queue.Queue()
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self):
+        for line in self.proc.stdout:
+            self._queue.put(line)
+        self._queue.put(None)
+
+    def wait_for(self, predicate, timeout=120):
+        """Return the first new line for which predicate holds; fail after timeout seconds."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                line = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise AssertionError('timed out waiting for a line; output so far:\n' + ''.join(self.lines))
+            if line is None:
+                raise AssertionError('process ended before the line came; output:\n' + ''.join(self.lines))
+            self.lines.append(line)
+            if predicate(line):
+                return line
+
+    def drain(self):
+        """Everything printed so far (without waiting for more)."""
+        while True:
+            try:
+                line = self._queue.get_nowait()
+            except queue.Empty:
+                return ''.join(self.lines)
+            if line is None:
+                return ''.join(self.lines)
+            self.lines.append(line)
+
+    def rest(self, timeout=180):
+        """Wait for the process to end; return all of its output."""
+        self.proc.wait(timeout=timeout)
+        while self.wait_for_end(timeout):
+            pass
+        return ''.join(self.lines)
+
+    def wait_for_end(self, timeout):
+        line = self._queue.get(timeout=timeout)
+        if line is None:
+            return False
+        self.lines.append(line)
+        return True
+
+
+def start(args, env=None):
+    proc = subprocess.Popen([str(a) for a in args], cwd=ROOT, env=env or script_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return proc, LineReader(proc)
+
+
+def read_scalars(log_dir):
+    """TensorBoard's own reading of the event files: {tag: [(step, value), ...]}."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    accumulator = EventAccumulator(str(log_dir))
+    accumulator.Reload()
+    return {tag: [(e.step, e.value) for e in accumulator.Scalars(tag)]
+            for tag in accumulator.Tags()['scalars']}

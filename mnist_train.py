@@ -100,7 +100,7 @@ def main(args):
     val_loader = common.TensorLoader(val_images, val_labels, args.val_batch_size)
 
     torch.manual_seed(args.seed)
-    model = common.SimpleCNN().to(device)
+    model = common.SimpleCNN().to(device, memory_format=common.SimpleCNN.memory_format(device))
     criterion = nn.CrossEntropyLoss()
     optimizer = optim.SGD(model.parameters(), lr=args.lr)
     start_epoch, best_val_accuracy, best_epoch = 0, 0.0, None
@@ -112,9 +112,10 @@ def main(args):
         print(f'Resuming from epoch {start_epoch} ({checkpoint_path}; best accuracy so far '
               f'{best_val_accuracy:.2f}%)')
 
-    # A resumed run writes on in the same folder; TensorBoard drops the events of an interrupted
-    # epoch when the rerun logs the same steps again.
-    writer = SummaryWriter(os.path.join(args.output_dir, 'runs', 'mnist_experiment'))
+    # purge_step: TensorBoard hides what an earlier, interrupted run logged from this step on,
+    # so a resumed epoch's steps appear once.
+    writer = SummaryWriter(os.path.join(args.output_dir, 'runs', 'mnist_experiment'),
+                           purge_step=start_epoch * len(train_loader))
     run_start = time.perf_counter()
     for epoch in range(start_epoch, args.epochs):
         epoch_start = time.perf_counter()

@@ -142,7 +142,7 @@ def main(args):
                                      args.val_batch_size)
 
     torch.manual_seed(args.seed)
-    model = common.SimpleCNN().to(device)
+    model = common.SimpleCNN().to(device, memory_format=common.SimpleCNN.memory_format(device))
     if checkpoint is not None:
         model.load_state_dict(checkpoint['model'])
     # DDP copies rank 0's weights to every rank here; device_ids only for a GPU module.
@@ -158,8 +158,9 @@ def main(args):
             print(f'Resuming from epoch {start_epoch} ({checkpoint_path}; best accuracy so far '
                   f'{best_val_accuracy:.2f}%)')
 
-    if rank == 0:
-        writer = SummaryWriter(os.path.join(args.output_dir, 'runs', 'mnist_experiment'))
+    if rank == 0:  # purge_step: TensorBoard hides an interrupted run's steps from here on
+        writer = SummaryWriter(os.path.join(args.output_dir, 'runs', 'mnist_experiment'),
+                               purge_step=start_epoch * len(train_loader))
     run_start = time.perf_counter()
     for epoch in range(start_epoch, args.epochs):
         epoch_start = time.perf_counter()

@@ -1,0 +1,149 @@
+"""Unit tests of common.py: the model, the data tensors and loaders, and saving."""
+import os
+import shutil
+
+import pytest
+import torch
+from torchvision import datasets, transforms
+
+import common
+from conftest import make_mnist
+
+
+def test_model_keys_and_shapes():
+    model = common.SimpleCNN()
+    assert list(model.state_dict()) == [f'{layer}.{p}' for layer in ('conv1', 'conv2', 'fc1', 'fc2')
+                                        for p in ('weight', 'bias')]
+    assert model(torch.zeros(3, 1, 28, 28)).shape == (3, 10)
+
+
+@pytest.mark.parametrize('train', [True, False])
+def test_tensors_equal_the_documents_transform(mnist_dir, train):
+    doc_transform = transforms.Compose([transforms.ToTensor(), transforms.Normalize((0.5,), (0.5,))])
+    doc_dataset = datasets.MNIST(root=mnist_dir, train=train, download=False, transform=doc_transform)
+    images, labels = common.load_mnist(mnist_dir, train=train, device='cpu')
+    assert images.shape == (len(doc_dataset), 1, 28, 28) and images.dtype == torch.float32
+    for i in range(len(doc_dataset)):
+        image, label = doc_dataset[i]
+        assert torch.equal(images[i], image), f'sample {i} differs'
+        assert labels[i].item() == label
+
+
+def test_an_epoch_visits_each_sample_once_in_a_new_order_each_epoch():
+    images = torch.arange(100, dtype=torch.float32).view(100, 1, 1, 1)
+    labels = torch.arange(100)
+    loader = common.TensorLoader(images, labels, batch_size=16, shuffle=True, seed=3)
+    orders = []
+    for epoch in range(3):
+        loader.set_epoch(epoch)
+        batches = list(loader)
+        assert len(batches) == len(loader) == 7
+        seen = torch.cat([target for _, target in batches])
+        assert sorted(seen.tolist()) == list(range(100))
+        assert all(torch.equal(data.view(-1).long(), target) for data, target in batches)
+        orders.append(seen.tolist())
+    assert orders[0] != orders[1] != orders[2]
+    loader.set_epoch(1)  # the same epoch gives the same order again, as after a restart
+    assert torch.cat([t for _, t in loader]).tolist() == orders[1]
+
+
+@pytest.mark.parametrize('n, world_size', [(100, 2), (101, 3)])
+def test_distributed_training_shares_are_samplers_and_cover_the_set(n, world_size):
+    images, labels = torch.zeros(n, 1, 1, 1), torch.arange(n)
+    shares = []
+    for rank in range(world_size):
+        loader = common.TensorLoader(images, labels, 8, shuffle=True, seed=0, rank=rank, world_size=world_size)
+        loader.set_epoch(5)
+        sampler = torch.utils.data.DistributedSampler(range(n), num_replicas=world_size, rank=rank, seed=0)
+        sampler.set_epoch(5)
+        shares.append(torch.cat([t for _, t in loader]).tolist())
+        assert shares[-1] == list(sampler)
+    everything = sum(shares, [])
+    assert set(everything) == set(range(n))
+    padding = -n % world_size  # DistributedSampler repeats a few samples so all shares are equal
+    assert len(everything) == n + padding
+    if padding == 0:
+        assert len(set(everything)) == n  # disjoint
+
+
+@pytest.mark.parametrize('world_size', [1, 2, 3, 7])
+def test_validation_shards_are_disjoint_and_exact(world_size):
+    labels = torch.arange(10000)
+    parts = [common.shard([labels], rank, world_size)[0] for rank in range(world_size)]
+    assert torch.equal(torch.cat(parts), labels)
+
+
+def test_validation_loader_keeps_order_and_last_partial_batch():
+    loader = common.TensorLoader(torch.zeros(10, 1, 1, 1), torch.arange(10), batch_size=4)
+    assert [t.tolist() for _, t in loader] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    assert len(loader) == 3 and len(loader.dataset) == 10
+
+
+def test_truncated_file_is_named(tmp_path):
+    root = make_mnist(tmp_path, 20, 10)
+    path = root / 'MNIST' / 'raw' / 'train-images-idx3-ubyte'
+    path.write_bytes(path.read_bytes()[:-100])
+    with pytest.raises(common.SetupError, match='train-images-idx3-ubyte is not a complete MNIST file'):
+        common.prepare_mnist(root, download=False)
+
+
+def test_mismatched_image_and_label_counts(tmp_path):
+    root = make_mnist(tmp_path, 20, 10)
+    other = make_mnist(tmp_path / 'other', 30, 10)
+    raw = 'MNIST/raw/train-labels-idx1-ubyte'
+    shutil.copy(other / raw, root / raw)
+    with pytest.raises(common.SetupError, match='different numbers of items'):
+        common.prepare_mnist(root, download=False)
+
+
+def test_missing_data_without_download_says_which_files_go_where(tmp_path):
+    with pytest.raises(common.SetupError) as error:
+        common.prepare_mnist(tmp_path, download=False)
+    message = str(error.value)
+    assert str(tmp_path / 'MNIST' / 'raw') in message
+    assert all(name in message for name in common.MNIST_FILES)
+
+
+def test_save_atomic_replaces_whole(tmp_path):
+    path = str(tmp_path / 'model.pth')
+    common.save_atomic({'a': torch.ones(2)}, path)
+    common.save_atomic({'a': torch.zeros(3)}, path)
+    assert torch.equal(torch.load(path, weights_only=True)['a'], torch.zeros(3))
+    assert os.listdir(tmp_path) == ['model.pth']
+
+
+def test_a_crash_between_temp_write_and_replace_leaves_the_old_file(tmp_path, monkeypatch):
+    path = str(tmp_path / 'checkpoint.pth')
+    common.save_atomic({'epochs_done': 1}, path)
+
+    def crash(src, dst):
+        raise KeyboardInterrupt('killed between the write and the rename')
+    monkeypatch.setattr(common.os, 'replace', crash)
+    with pytest.raises(KeyboardInterrupt):
+        common.save_atomic({'epochs_done': 2}, path)
+    monkeypatch.undo()
+    assert torch.load(path, weights_only=True) == {'epochs_done': 1}
+    # The next save goes through, over the leftover temporary file.
+    common.save_atomic({'epochs_done': 3}, path)
+    assert torch.load(path, weights_only=True) == {'epochs_done': 3}
+
+
+def test_read_checkpoint_refuses_another_model_and_keeps_the_file(tmp_path):
+    path = str(tmp_path / 'checkpoint.pth')
+    other = torch.nn.Linear(784, 10)
+    checkpoint = {'model': other.state_dict(), 'optimizer': {}, 'epochs_done': 1,
+                  'best_val_accuracy': 50.0, 'best_epoch': 0}
+    torch.save(checkpoint, path)
+    before = open(path, 'rb').read()
+    with pytest.raises(common.SetupError, match='--no-resume'):
+        common.read_checkpoint(path)
+    assert open(path, 'rb').read() == before
+
+
+def test_positive_rejects_zero_negative_and_text():
+    import argparse
+    parse = common.positive(int)
+    assert parse('3') == 3
+    for text in ('0', '-1', 'x', '1.5'):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse(text)

@@ -1,0 +1,91 @@
+"""mnist_train.py end to end, run as a user runs it: logs, TensorBoard, checkpoints, resume."""
+import re
+import signal
+
+import torch
+
+import common
+from conftest import read_scalars, run, start, train_cmd
+
+FAST = ('--lr', '0.1', '--batch-size', '16', '--log-interval', '10')  # learns the tiny set in 3 epochs
+
+
+def test_trains_logs_and_saves_like_the_document(mnist_dir, tmp_path):
+    out = tmp_path / 'out'
+    _, stdout, _ = run(train_cmd('--data-dir', mnist_dir, '--output-dir', out, '--epochs', '3', *FAST))
+
+    train_lines = re.findall(r'^Train Epoch: (\d+) \[(\d+)/640 \((\d+)%\)\]\tLoss: (\d+\.\d{6})$', stdout, re.M)
+    assert [(e, n, p) for e, n, p, _ in train_lines] == [
+        (str(e), str(n), str(p)) for e in range(3) for n, p in ((0, 0), (160, 25), (320, 50), (480, 75))]
+    val_lines = re.findall(r'^Validation Loss: (\d+\.\d{4}), Accuracy: (\d+)/200 \((\d+)%\)$', stdout, re.M)
+    assert len(val_lines) == 3
+    accuracies = [int(correct) / 2 for _, correct, _ in val_lines]
+    assert accuracies[-1] > 60, 'clearly above chance (10%) on the learnable tiny set'
+    saved = re.findall(r'^Model saved with accuracy: (\d+\.\d\d)%$', stdout, re.M)
+    assert float(saved[-1]) == max(accuracies)
+    assert len(re.findall(r'^Epoch \d done in \d+\.\d\ds \(\d+ samples/s\)$', stdout, re.M)) == 3
+    assert re.search(rf'^Best accuracy {max(accuracies):.2f}% at epoch \d, saved in {out}/best_model.pth; '
+                     r'3 epochs in \d+\.\ds$', stdout, re.M)
+    assert stdout.endswith('Training complete. writer.close()\n')
+
+    # TensorBoard, read back with its own reader: the document's tags and steps.
+    scalars = read_scalars(out / 'runs' / 'mnist_experiment')
+    assert [step for step, _ in scalars['Loss/train']] == [e * 40 + b for e in range(3) for b in (0, 10, 20, 30)]
+    assert [round(v, 6) for _, v in scalars['Loss/train']] == [float(l) for *_, l in train_lines]
+    assert [step for step, _ in scalars['Accuracy/validation']] == [0, 1, 2]
+    assert [v for _, v in scalars['Accuracy/validation']] == accuracies
+    assert [round(v, 4) for _, v in scalars['Loss/validation']] == [float(l) for l, _, _ in val_lines]
+
+    # best_model.pth: a plain state_dict that loads safely into the model and gives the best accuracy.
+    state = torch.load(out / 'best_model.pth', weights_only=True)
+    model = common.SimpleCNN()
+    model.load_state_dict(state)
+    images, labels = common.load_mnist(mnist_dir, train=False, device='cpu')
+    with torch.no_grad():
+        correct = (model(images).argmax(dim=1) == labels).sum().item()
+    assert correct / 2 == max(accuracies)
+
+
+def test_a_finished_run_says_so_and_changes_nothing(mnist_dir, tmp_path):
+    out = tmp_path / 'out'
+    run(train_cmd('--data-dir', mnist_dir, '--output-dir', out, '--epochs', '2', *FAST))
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    _, stdout, _ = run(train_cmd('--data-dir', mnist_dir, '--output-dir', out, '--epochs', '2', *FAST))
+    assert stdout.startswith('Training already complete')
+    assert 'Train Epoch' not in stdout
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+
+
+def test_resume_after_a_kill_mid_epoch_matches_an_uninterrupted_run(mnist_big_dir, tmp_path):
+    args = ('--data-dir', mnist_big_dir, '--epochs', '3', '--log-interval', '20')
+    run(train_cmd(*args, '--output-dir', tmp_path / 'straight'))
+
+    out = tmp_path / 'interrupted'
+    proc, reader = start(train_cmd(*args, '--output-dir', out))
+    reader.wait_for(lambda line: line.startswith('Train Epoch: 1 [1280/'))
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    assert 'Epoch 1 done' not in reader.drain(), 'the kill came after epoch 1 ended'
+
+    _, stdout, _ = run(train_cmd(*args, '--output-dir', out))
+    assert stdout.startswith('Resuming from epoch 1 ')
+    assert re.findall(r'^Epoch (\d) done', stdout, re.M) == ['1', '2']
+
+    # The same model and the same logs as if never interrupted (CPU arithmetic is deterministic).
+    for name in ('best_model.pth', 'checkpoint.pth'):
+        straight = torch.load(tmp_path / 'straight' / name, weights_only=True)
+        resumed = torch.load(out / name, weights_only=True)
+        if name == 'checkpoint.pth':
+            assert resumed['epochs_done'] == straight['epochs_done'] == 3
+            straight, resumed = straight['model'], resumed['model']
+        assert all(torch.equal(straight[k], resumed[k]) for k in straight)
+    straight_logs = read_scalars(tmp_path / 'straight' / 'runs' / 'mnist_experiment')
+    resumed_logs = read_scalars(out / 'runs' / 'mnist_experiment')
+    assert resumed_logs == straight_logs  # no step twice, none missing
+
+
+def test_no_resume_starts_over(mnist_dir, tmp_path):
+    out = tmp_path / 'out'
+    run(train_cmd('--data-dir', mnist_dir, '--output-dir', out, '--epochs', '1', *FAST))
+    _, stdout, _ = run(train_cmd('--data-dir', mnist_dir, '--output-dir', out, '--epochs', '1', '--no-resume', *FAST))
+    assert 'Resuming' not in stdout and 'Epoch 0 done' in stdout

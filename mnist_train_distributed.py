@@ -12,6 +12,7 @@ import argparse
 import os
 import sys
 import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -103,9 +104,16 @@ def main(args):
     else:
         device = torch.device('cpu')
     if standalone:  # an in-memory store instead of a master address
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        store = dist.HashStore()
     else:
-        dist.init_process_group(backend)
+        # torchrun's store at MASTER_ADDR:MASTER_PORT (hosted by rank 0 under other launchers), with
+        # keys kept apart per restart: torch 2.14's torchrun keeps its store across --max-restarts
+        # attempts, and a restarted rank would otherwise read the address of a dead one.
+        agent_store = os.environ.get('TORCHELASTIC_USE_AGENT_STORE') == 'True'
+        store = dist.TCPStore(os.environ['MASTER_ADDR'], int(os.environ['MASTER_PORT']), world_size,
+                              is_master=rank == 0 and not agent_store, timeout=timedelta(minutes=30))
+        store = dist.PrefixStore(f'attempt_{os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")}', store)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
     print(f'Rank {rank}/{world_size} (local rank {local_rank}, pid {os.getpid()}) on {device} with {backend}')
 
     # Rank 0 owns the output folder: it checks it can write there and reads any checkpoint,
@@ -229,9 +237,8 @@ if __name__ == '__main__':
     try:
         main(args)
     except common.SetupError as e:
+        if dist.is_initialized():
+            dist.destroy_process_group()
         if args.debug:
             raise
         sys.exit(f'error: {e}')
-    finally:
-        if dist.is_initialized():  # error paths too
-            dist.destroy_process_group()

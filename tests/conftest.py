@@ -123,6 +123,7 @@ class LineReader:
             except queue.Empty:
                 return ''.join(self.lines)
             if line is None:
+                self._queue.put(None)  # keep the end mark for rest()
                 return ''.join(self.lines)
             self.lines.append(line)
 

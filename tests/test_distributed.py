@@ -1,0 +1,163 @@
+"""mnist_train_distributed.py under torchrun on CPU with gloo, as DLC runs it, on one machine.
+
+Each test here fails on the document's version of the script: it needs CUDA and NCCL, every rank
+validates the whole test set (the total printed is world_size * 200), and only global rank 0
+downloads the data (a second node with its own disk has none).
+"""
+import gzip
+import http.server
+import os
+import re
+import signal
+import threading
+
+import pytest
+import torch
+
+import common
+from conftest import ROOT, FILES, dist_cmd, free_port, read_scalars, run, script_env, start, torchrun
+
+FAST = ('--lr', '0.1', '--batch-size', '16', '--log-interval', '5')
+SCRIPT = ROOT / 'mnist_train_distributed.py'
+
+
+def check_result(stdout, out, epochs, world_size):
+    """What every finished run must show: exact validation, one plain checkpoint, logs by rank 0."""
+    totals = re.findall(r'^Validation Loss: \d+\.\d{4}, Accuracy: \d+/(\d+) \(\d+%\)$', stdout, re.M)
+    assert totals == ['200'] * epochs, 'each sample validated once per epoch, whatever the world size'
+    for rank in range(world_size):
+        assert f'Rank: {rank}, Local_Rank: 0 -- Train Epoch: 0 [0/640 (0%)]' in stdout \
+            or f'Rank: {rank}, Local_Rank: {rank} -- Train Epoch: 0 [0/640 (0%)]' in stdout
+    assert stdout.count('Training complete. writer.close()') == 1
+    state = torch.load(out / 'best_model.pth', weights_only=True)
+    assert not any(key.startswith('module.') for key in state)
+    common.SimpleCNN().load_state_dict(state)
+    assert sorted(p.name for p in out.iterdir()) == ['best_model.pth', 'checkpoint.pth', 'runs']
+    assert len(list((out / 'runs' / 'mnist_experiment').iterdir())) == 1, 'one writer: rank 0'
+    assert [s for s, _ in read_scalars(out / 'runs' / 'mnist_experiment')['Accuracy/validation']] == list(range(epochs))
+
+
+def test_two_processes_on_one_node(mnist_dir, tmp_path):
+    out = tmp_path / 'out'
+    _, stdout, _ = run(torchrun('--standalone', '--nproc_per_node=2', SCRIPT,
+                                '--data-dir', mnist_dir, '--output-dir', out, '--epochs', '2', *FAST))
+    check_result(stdout, out, epochs=2, world_size=2)
+    assert '[320/640 (50%)]' in stdout  # batch 10 of 20 per rank: 10 * 16 * 2 samples seen
+    accuracy = float(re.findall(r'Model saved with accuracy: (\d+\.\d+)%', stdout)[-1])
+    assert accuracy > 50
+
+
+def test_without_torchrun_runs_as_a_world_of_one(mnist_dir, tmp_path):
+    out = tmp_path / 'out'
+    _, stdout, _ = run(dist_cmd('--data-dir', mnist_dir, '--output-dir', out, '--epochs', '1', *FAST))
+    assert stdout.startswith('Not started by torchrun')
+    assert 'Rank 0/1 (local rank 0' in stdout
+    check_result(stdout, out, epochs=1, world_size=1)
+
+
+class Mirror:
+    """An MNIST mirror on localhost that counts the downloads of each file."""
+
+    def __init__(self, folder):
+        self.gets = []
+        mirror = self
+
+        class Handler(http.server.SimpleHTTPRequestHandler):
+            def __init__(self, *args, **kwargs):
+                super().__init__(*args, directory=str(folder), **kwargs)
+
+            def do_GET(self):
+                mirror.gets.append(self.path)
+                super().do_GET()
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(('127.0.0.1', 0), Handler)
+        self.url = f'http://127.0.0.1:{self.server.server_port}/mnist/'
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def downloads(self):
+        """{file: times downloaded}; torchvision GETs each URL twice (a redirect check, then the file)."""
+        return {name: self.gets.count(f'/mnist/{name}.gz') / 2 for name in FILES}
+
+
+@pytest.fixture
+def mirror(mnist_dir, tmp_path):
+    folder = tmp_path / 'mirror' / 'mnist'
+    folder.mkdir(parents=True)
+    for name in FILES:
+        (folder / f'{name}.gz').write_bytes(gzip.compress((mnist_dir / 'MNIST' / 'raw' / name).read_bytes()))
+    mirror = Mirror(tmp_path / 'mirror')
+    yield mirror
+    mirror.server.shutdown()
+
+
+def two_nodes(data_dirs, out, env, epochs=1):
+    """Two torchrun launchers, one process each, as DLC starts a 2-node job; returns their outputs."""
+    port = free_port()
+    nodes = [start(torchrun('--nproc_per_node=1', '--nnodes=2', f'--node_rank={node}',
+                            '--master_addr=127.0.0.1', f'--master_port={port}', SCRIPT,
+                            '--data-dir', data_dirs[node], '--output-dir', out, '--epochs', str(epochs), *FAST),
+                   env=env) for node in (0, 1)]
+    outputs = [reader.rest(timeout=180) for _, reader in nodes]
+    return [proc.returncode for proc, _ in nodes], outputs
+
+
+def test_two_nodes_with_a_shared_data_mount_download_once(mirror, tmp_path):
+    shared = tmp_path / 'shared_mount'
+    env = script_env(MNIST_MIRROR=mirror.url, no_proxy='127.0.0.1')
+    codes, outputs = two_nodes([shared, shared], tmp_path / 'out', env)
+    assert codes == [0, 0], outputs
+    check_result(''.join(outputs), tmp_path / 'out', epochs=1, world_size=2)
+    assert mirror.downloads() == {name: 1 for name in FILES}, 'one download of each file'
+    assert sorted(p.name for p in (shared / 'MNIST' / 'raw').iterdir()) == sorted(FILES)
+
+
+def test_two_nodes_with_local_disks_each_get_the_data(mirror, tmp_path):
+    node_disks = [tmp_path / 'node0', tmp_path / 'node1']
+    env = script_env(MNIST_MIRROR=mirror.url, no_proxy='127.0.0.1')
+    codes, outputs = two_nodes(node_disks, tmp_path / 'out', env)
+    assert codes == [0, 0], outputs
+    check_result(''.join(outputs), tmp_path / 'out', epochs=1, world_size=2)
+    assert mirror.downloads() == {name: 2 for name in FILES}, 'each node downloads its own copy'
+    for disk in node_disks:
+        assert sorted(p.name for p in (disk / 'MNIST' / 'raw').iterdir()) == sorted(FILES)
+
+
+def test_a_node_without_data_stops_every_rank_with_the_reason(mnist_dir, tmp_path):
+    offline = script_env(http_proxy='http://127.0.0.1:9', https_proxy='http://127.0.0.1:9', no_proxy='')
+    codes, outputs = two_nodes([mnist_dir, tmp_path / 'empty_disk'], tmp_path / 'out', offline)
+    assert codes[0] != 0 and codes[1] != 0
+    assert f'error: MNIST is not in {tmp_path}/empty_disk/MNIST/raw' in outputs[1]
+    assert 'error: rank 1 failed during set-up: MNIST is not in' in outputs[0]
+    assert not (tmp_path / 'out' / 'checkpoint.pth').exists()
+
+
+def test_a_killed_worker_is_restarted_and_resumes(mnist_big_dir, tmp_path):
+    out = tmp_path / 'out'
+    # DLC's static rendezvous (--standalone restarts hit a bug of torch 2.3's elastic agent).
+    proc, reader = start(torchrun('--nnodes=1', '--node_rank=0', '--master_addr=127.0.0.1',
+                                  f'--master_port={free_port()}', '--nproc_per_node=2', '--max-restarts=1', SCRIPT,
+                                  '--data-dir', mnist_big_dir, '--output-dir', out, '--epochs', '3',
+                                  '--log-interval', '20'))
+    rank1 = reader.wait_for(lambda line: line.startswith('Rank 1/2'))
+    pid = int(re.search(r'pid (\d+)', rank1).group(1))
+    reader.wait_for(lambda line: line.startswith('Rank: 1, Local_Rank: 1 -- Train Epoch: 1 [0/'))
+    # Freeze rank 1 mid-epoch (rank 0 cannot finish the epoch without it), check, then kill it.
+    os.kill(pid, signal.SIGSTOP)
+    assert 'Epoch 1 done' not in reader.drain(), 'the kill came after epoch 1 ended'
+    os.kill(pid, signal.SIGKILL)
+    output = reader.rest(timeout=240)
+    assert proc.returncode == 0, output
+
+    before, resumed, after = output.partition('Resuming from epoch 1 ')
+    assert resumed, output
+    assert re.findall(r'^Epoch (\d) done', before, re.M) == ['0']
+    assert re.findall(r'^Epoch (\d) done', after, re.M) == ['1', '2']
+    assert len(re.findall(r'^Validation Loss', after, re.M)) == 2, 'each epoch after the resume validated once'
+    scalars = read_scalars(out / 'runs' / 'mnist_experiment')
+    assert [s for s, _ in scalars['Accuracy/validation']] == [0, 1, 2]
+    steps = [s for s, _ in scalars['Loss/train']]
+    assert steps == sorted(set(steps)) and len(steps) == 3 * 5  # 100 batches per rank, every 20th
+    assert torch.load(out / 'checkpoint.pth', weights_only=True)['epochs_done'] == 3

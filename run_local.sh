@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# Run the two MNIST scripts on this machine, or their tests, in a virtual environment of their own.
+#
+#   ./run_local.sh [SCRIPT FLAGS]      train with mnist_train.py, then a torchrun job of
+#                                      mnist_train_distributed.py (2 CPU processes, or one per GPU);
+#                                      defaults: --epochs 3 --data-dir ./data, outputs in ./output
+#   ./run_local.sh test [PYTEST ARGS]  the test suite, newest torch (.venv)
+#   ./run_local.sh test-pai [...]      the test suite on the PAI image's torch 2.3.1 (.venv-pai)
+#   ./run_local.sh bench [FLAGS]       document pipeline vs ours (tests/benchmark.py --help)
+#   ./run_local.sh gpu-check [FLAGS]   2 epochs of each script on CUDA, with NCCL over every GPU
+#
+# Examples: ./run_local.sh --epochs 1 --data-dir ../shared/data/mnist
+#           ./run_local.sh bench --data-dir ../shared/data/mnist
+# PYTHON picks the interpreter that makes the environments (default: python3).
+set -euo pipefail
+cd "$(dirname "$0")"
+
+# venv FOLDER PIP-ARGS...: create FOLDER if needed and install into it once per set of requirements.
+venv() {
+    local folder=$1; shift
+    local stamp="$folder/.installed-$(cat requirements*.txt constraints-pai.txt | cksum | cut -d' ' -f1)"
+    if [ ! -f "$stamp" ]; then
+        [ -x "$folder/bin/python" ] || "${PYTHON:-python3}" -m venv "$folder"
+        "$folder/bin/python" -m pip install --quiet --disable-pip-version-check "$@"
+        touch "$stamp"
+    fi
+    PY="$folder/bin/python"
+}
+
+gpu_count() { "$PY" -c 'import torch; print(torch.cuda.device_count())'; }
+
+case "${1:-run}" in
+test)
+    shift
+    venv .venv -r requirements-test.txt
+    exec "$PY" -m pytest -q tests "$@"
+    ;;
+test-pai)
+    shift
+    venv .venv-pai -r requirements-test.txt -c constraints-pai.txt
+    exec "$PY" -m pytest -q tests "$@"
+    ;;
+bench)
+    shift
+    venv .venv -r requirements.txt
+    exec "$PY" tests/benchmark.py "$@"
+    ;;
+gpu-check)
+    shift
+    venv .venv -r requirements.txt
+    gpus=$(gpu_count)
+    if [ "$gpus" = 0 ]; then echo "gpu-check: no CUDA GPU here" >&2; exit 1; fi
+    common=(--device cuda --epochs 2 --no-resume --data-dir ./data "$@")
+    "$PY" mnist_train.py "${common[@]}" --output-dir ./output/gpu-check/single \
+        | grep -E '^(Validation|Epoch|Best)'
+    "$PY" -m torch.distributed.run --standalone --nproc_per_node="$gpus" mnist_train_distributed.py \
+        --backend nccl "${common[@]}" --output-dir ./output/gpu-check/distributed \
+        | grep -E '^(Rank [0-9]+/|Validation|Epoch|Best)'
+    ;;
+run | -*)
+    [ "${1:-}" = run ] && shift
+    venv .venv -r requirements.txt
+    gpus=$(gpu_count)
+    nproc=$([ "$gpus" -gt 0 ] && echo "$gpus" || echo 2)
+    defaults=(--epochs 3 --data-dir ./data)
+    echo "== mnist_train.py"
+    "$PY" mnist_train.py "${defaults[@]}" --output-dir ./output/single "$@"
+    echo "== torchrun --nproc_per_node=$nproc mnist_train_distributed.py"
+    "$PY" -m torch.distributed.run --standalone --nproc_per_node="$nproc" mnist_train_distributed.py \
+        "${defaults[@]}" --output-dir ./output/distributed "$@"
+    echo
+    echo "Models:      ./output/single/best_model.pth, ./output/distributed/best_model.pth"
+    echo "TensorBoard: $(dirname "$PY")/tensorboard --logdir ./output   (then open http://localhost:6006)"
+    ;;
+*)
+    sed -n '2,15p' "$0"
+    exit 2
+    ;;
+esac

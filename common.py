@@ -92,14 +92,14 @@ def check_idx_file(path):
     fields = [int.from_bytes(header[i:i + 4], 'big') for i in range(0, len(header) - 3, 4)]
     count = fields[1] if len(fields) > 1 else 0
     expected = len(header) + count * math.prod(item_shape)
-    if len(fields) != 2 + len(item_shape) or fields[0] != magic or tuple(fields[2:]) != item_shape \
-            or size != expected:
-        raise SetupError(
-            f'{path} is not a complete MNIST file ({size} bytes; expected magic number {magic}, '
-            f'items of shape {item_shape} and {expected if fields[0] == magic else "a matching"} '
-            f'bytes): it is truncated or corrupt. Delete it and start again to download it afresh, '
-            f'or copy a good one there.')
-    return count
+    if len(fields) != 2 + len(item_shape) or fields[0] != magic or tuple(fields[2:]) != item_shape:
+        problem = f'its header is not that of an MNIST {"image" if item_shape else "label"} file'
+    elif size != expected:
+        problem = f'{size} bytes where its header calls for {expected}'
+    else:
+        return count
+    raise SetupError(f'{path} is not a complete MNIST file: it is truncated or corrupt ({problem}). '
+                     f'Delete it to have it downloaded again, or copy a good one there.')
 
 
 def prepare_mnist(data_dir, download=True):

@@ -132,6 +132,7 @@ def main(args):
                   f'epochs, best accuracy {checkpoint["best_val_accuracy"]:.2f}% at epoch '
                   f'{checkpoint["best_epoch"]} in {best_model_path}. Pass a larger --epochs to '
                   f'train on, or --no-resume to start over.')
+        dist.destroy_process_group()
         return
 
     # Data: global rank 0 downloads first (one download on a shared mount); then the first

@@ -53,6 +53,8 @@ def test_without_torchrun_runs_as_a_world_of_one(mnist_dir, tmp_path):
     assert stdout.startswith('Not started by torchrun')
     assert 'Rank 0/1 (local rank 0' in stdout
     check_result(stdout, out, epochs=1, world_size=1)
+    _, stdout, _ = run(dist_cmd('--data-dir', mnist_dir, '--output-dir', out, '--epochs', '1', *FAST))
+    assert 'Training already complete' in stdout and 'Train Epoch' not in stdout
 
 
 class Mirror:

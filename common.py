@@ -222,6 +222,13 @@ def check_writable(folder):
                          f'--output-dir with a folder you can write.' + _laptop_hint(folder)) from None
 
 
+def set_aside(path):
+    """Before a fresh start, keep an earlier run's file as <path>.previous rather than overwrite it."""
+    if os.path.exists(path):
+        os.replace(path, path + '.previous')
+        print(f'Starting afresh: the earlier {os.path.basename(path)} is kept as {path}.previous')
+
+
 def save_atomic(obj, path):
     """torch.save to a temporary file beside path, then rename it over path.
 

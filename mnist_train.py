@@ -75,10 +75,13 @@ def validate(model, val_loader, device):
 
 def main(args):
     # Fail on a bad device or output folder now, before reading any data.
-    if args.device.startswith('cuda') and not torch.cuda.is_available():
-        raise common.SetupError(f'--device {args.device} was asked for, but CUDA is not available '
-                                f'here; pass --device cpu or run on a GPU node.')
-    device = torch.device(args.device)
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        raise common.SetupError(f'--device {args.device} is not a device; pass cpu, cuda or cuda:N.') from None
+    if device.type == 'cuda' and (device.index or 0) >= torch.cuda.device_count():
+        raise common.SetupError(f'--device {args.device} was asked for, but this machine has '
+                                f'{torch.cuda.device_count()} CUDA GPUs; pass --device cpu or run on a GPU node.')
     common.check_writable(args.output_dir)
     checkpoint_path = os.path.join(args.output_dir, 'checkpoint.pth')
     best_model_path = os.path.join(args.output_dir, 'best_model.pth')
@@ -111,6 +114,8 @@ def main(args):
         best_val_accuracy, best_epoch = checkpoint['best_val_accuracy'], checkpoint['best_epoch']
         print(f'Resuming from epoch {start_epoch} ({checkpoint_path}; best accuracy so far '
               f'{best_val_accuracy:.2f}%)')
+    else:
+        common.set_aside(best_model_path)
 
     # purge_step: TensorBoard hides what an earlier, interrupted run logged from this step on,
     # so a resumed epoch's steps appear once.

@@ -166,6 +166,8 @@ def main(args):
         if rank == 0:
             print(f'Resuming from epoch {start_epoch} ({checkpoint_path}; best accuracy so far '
                   f'{best_val_accuracy:.2f}%)')
+    elif rank == 0:
+        common.set_aside(best_model_path)
 
     if rank == 0:  # purge_step: TensorBoard hides an interrupted run's steps from here on
         writer = SummaryWriter(os.path.join(args.output_dir, 'runs', 'mnist_experiment'),

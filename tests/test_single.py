@@ -84,8 +84,12 @@ def test_resume_after_a_kill_mid_epoch_matches_an_uninterrupted_run(mnist_big_di
     assert resumed_logs == straight_logs  # no step twice, none missing
 
 
-def test_no_resume_starts_over(mnist_dir, tmp_path):
+def test_no_resume_starts_over_and_keeps_the_earlier_best_model(mnist_dir, tmp_path):
     out = tmp_path / 'out'
     run(train_cmd('--data-dir', mnist_dir, '--output-dir', out, '--epochs', '1', *FAST))
+    earlier = (out / 'best_model.pth').read_bytes()
     _, stdout, _ = run(train_cmd('--data-dir', mnist_dir, '--output-dir', out, '--epochs', '1', '--no-resume', *FAST))
     assert 'Resuming' not in stdout and 'Epoch 0 done' in stdout
+    assert f'the earlier best_model.pth is kept as {out}/best_model.pth.previous' in stdout
+    assert (out / 'best_model.pth.previous').read_bytes() == earlier
+    assert (out / 'best_model.pth').exists()

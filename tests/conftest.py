@@ -116,30 +116,22 @@ class LineReader:
                 return line
 
     def drain(self):
-        """Everything printed so far (without waiting for more)."""
-        while True:
-            try:
-                line = self._queue.get_nowait()
-            except queue.Empty:
-                return ''.join(self.lines)
+        """Everything printed so far, without waiting for more."""
+        while not self._queue.empty():
+            line = self._queue.get()
             if line is None:
                 self._queue.put(None)  # keep the end mark for rest()
-                return ''.join(self.lines)
+                break
             self.lines.append(line)
+        return ''.join(self.lines)
 
     def rest(self, timeout=180):
         """Wait for the process to end; return all of its output."""
         self.proc.wait(timeout=timeout)
-        while self.wait_for_end(timeout):
-            pass
+        while (line := self._queue.get(timeout=timeout)) is not None:
+            self.lines.append(line)
+        self._queue.put(None)
         return ''.join(self.lines)
-
-    def wait_for_end(self, timeout):
-        line = self._queue.get(timeout=timeout)
-        if line is None:
-            return False
-        self.lines.append(line)
-        return True
 
 
 def start(args, env=None):

@@ -25,8 +25,6 @@ MNIST_FILES = {  # file in <data-dir>/MNIST/raw: (IDX magic number, shape of one
     't10k-images-idx3-ubyte': (2051, (28, 28)),
     't10k-labels-idx1-ubyte': (2049, ()),
 }
-
-
 CHECKPOINT_KEYS = {'model', 'optimizer', 'epochs_done', 'best_val_accuracy', 'best_epoch'}
 
 
@@ -246,7 +244,7 @@ def read_checkpoint(path):
     """Load a training checkpoint written by save_atomic, or raise SetupError; the file is kept."""
     fresh = f'To start fresh, pass --no-resume (the file is then overwritten) or move {path} away.'
     try:
-        # weights_only: the file holds tensors and plain values only, so nothing is unpickled.
+        # weights_only: tensors and plain values are all it may hold; no arbitrary objects are built.
         checkpoint = torch.load(path, map_location='cpu', weights_only=True)
         missing = CHECKPOINT_KEYS - set(checkpoint)
         if missing:

@@ -1,8 +1,8 @@
-"""What mnist_train.py and mnist_train_distributed.py share: the model, the data, and saving.
+"""What mnist_train.py and mnist_train_distributed.py share, in three parts: the model, the data,
+and the checkpoints that let a restarted job pick up its work.
 
-The data is read once through torchvision's MNIST (download and parsing), normalised in one
-vectorised step to exactly the values of ToTensor() + Normalize((0.5,), (0.5,)), and served as
-batches of those tensors: no PIL image and no per-sample Python work in the training loop.
+Everything else, the training loop included, stays in each script, so that each reads beside the
+document's own.
 """
 import argparse
 import math
@@ -15,17 +15,8 @@ from urllib.error import URLError
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.data import DistributedSampler, TensorDataset
 from torchvision import datasets
 from torchvision.datasets.utils import download_and_extract_archive
-
-MNIST_FILES = {  # file in <data-dir>/MNIST/raw: (IDX magic number, shape of one item)
-    'train-images-idx3-ubyte': (2051, (28, 28)),
-    'train-labels-idx1-ubyte': (2049, ()),
-    't10k-images-idx3-ubyte': (2051, (28, 28)),
-    't10k-labels-idx1-ubyte': (2049, ()),
-}
-CHECKPOINT_KEYS = {'model', 'optimizer', 'epochs_done', 'best_val_accuracy', 'best_epoch'}
 
 
 class SetupError(Exception):
@@ -33,29 +24,6 @@ class SetupError(Exception):
 
     The scripts print it as one paragraph, without a traceback unless --debug is given.
     """
-
-
-class SimpleCNN(nn.Module):
-    """The document's model; keep the layer names, they are the keys of best_model.pth."""
-
-    @staticmethod
-    def memory_format(device):
-        """channels_last on CPU, where its convolutions and pooling run about 25% faster."""
-        return torch.channels_last if torch.device(device).type == 'cpu' else torch.contiguous_format
-
-    def __init__(self):
-        super().__init__()
-        self.conv1 = nn.Conv2d(1, 10, kernel_size=5)
-        self.conv2 = nn.Conv2d(10, 20, kernel_size=3)
-        self.fc1 = nn.Linear(20 * 5 * 5, 128)
-        self.fc2 = nn.Linear(128, 10)
-
-    def forward(self, x):                              # x: [batch, 1, 28, 28]
-        x = F.max_pool2d(F.relu(self.conv1(x)), 2)     # [batch, 10, 12, 12]
-        x = F.max_pool2d(F.relu(self.conv2(x)), 2)     # [batch, 20, 5, 5]
-        x = torch.flatten(x, 1)                        # [batch, 500], whatever the memory format
-        x = F.relu(self.fc1(x))                        # [batch, 128]
-        return self.fc2(x)                             # [batch, 10]
 
 
 def positive(kind):
@@ -71,7 +39,49 @@ def positive(kind):
     return parse
 
 
-# --- data -------------------------------------------------------------------------------------
+def check_device(name):
+    """torch.device(name), or SetupError if it is not a device or not present on this machine."""
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise SetupError(f'--device {name} is not a device; pass cpu, cuda or cuda:N.') from None
+    if device.type == 'cuda' and (device.index or 0) >= torch.cuda.device_count():
+        raise SetupError(f'--device {name} was asked for, but this machine has {torch.cuda.device_count()} CUDA '
+                         f'GPUs; pass --device cpu or run on a GPU node (distributed: one process per GPU, '
+                         f'so --nproc_per_node at most the number of GPUs).')
+    return device
+
+
+# === Model ========================================================================================
+
+class SimpleCNN(nn.Module):
+    """The document's model; keep the layer names, they are the keys of best_model.pth."""
+
+    def __init__(self):
+        super(SimpleCNN, self).__init__()
+        self.conv1 = nn.Conv2d(1, 10, kernel_size=5)
+        self.conv2 = nn.Conv2d(10, 20, kernel_size=3)
+        self.fc1 = nn.Linear(20 * 5 * 5, 128)
+        self.fc2 = nn.Linear(128, 10)
+
+    def forward(self, x):                              # x: [batch, 1, 28, 28]
+        x = F.max_pool2d(F.relu(self.conv1(x)), 2)     # [batch, 10, 12, 12]
+        x = F.max_pool2d(F.relu(self.conv2(x)), 2)     # [batch, 20, 5, 5]
+        x = torch.flatten(x, 1)                        # [batch, 500], also in channels_last
+        x = F.relu(self.fc1(x))                        # [batch, 128]
+        x = self.fc2(x)                                # [batch, 10]
+        return x
+
+
+# === Data =========================================================================================
+
+MNIST_FILES = {  # file in <data-dir>/MNIST/raw: (IDX magic number, shape of one item)
+    'train-images-idx3-ubyte': (2051, (28, 28)),
+    'train-labels-idx1-ubyte': (2049, ()),
+    't10k-images-idx3-ubyte': (2051, (28, 28)),
+    't10k-labels-idx1-ubyte': (2049, ()),
+}
+
 
 def _laptop_hint(path):
     if os.path.abspath(path).startswith('/mnt/data'):
@@ -81,7 +91,7 @@ def _laptop_hint(path):
 
 
 def check_idx_file(path):
-    """Raise SetupError unless path is a complete MNIST IDX file (header, shape and size)."""
+    """Return the item count of a complete MNIST IDX file, or raise SetupError."""
     name = os.path.basename(path)
     magic, item_shape = MNIST_FILES[name]
     with open(path, 'rb') as f:
@@ -101,7 +111,7 @@ def check_idx_file(path):
 
 
 def prepare_mnist(data_dir, download=True):
-    """Make sure the four MNIST files are in <data_dir>/MNIST/raw, downloading any that are missing.
+    """What datasets.MNIST(download=True) does, made safe: the four files in <data_dir>/MNIST/raw, checked.
 
     Mirrors tried in turn: $MNIST_MIRROR (a URL prefix, for nodes that reach only an internal
     mirror or OSS; its files are checked for format, not checksum), then torchvision's. Each file
@@ -154,77 +164,49 @@ def prepare_mnist(data_dir, download=True):
                              f'hold different numbers of items; replace them with a matching pair.')
 
 
-def load_mnist(data_dir, train, device):
-    """Return (images, labels) of one split on device: images [N, 1, 28, 28] float32, normalised."""
-    dataset = datasets.MNIST(root=data_dir, train=train, download=False)  # parses the IDX files
-    # ToTensor divides by 255, Normalize subtracts 0.5 and divides by 0.5: the same float32
-    # operations in the same order, so the values are bit for bit the document's.
-    images = dataset.data.to(device).unsqueeze(1).float().div_(255).sub_(0.5).div_(0.5)
-    labels = dataset.targets.to(device)
-    if labels.max() > 9:  # uint8 labels: never below 0
-        raise SetupError(f'{dataset.raw_folder} holds labels outside 0..9: the label file is corrupt.')
-    return images, labels
-
-
-def shard(tensors, rank, world_size):
-    """A contiguous, disjoint 1/world_size share of each tensor: together they hold every row once."""
-    n = len(tensors[0])
-    start, end = n * rank // world_size, n * (rank + 1) // world_size
-    return [t[start:end] for t in tensors]
-
-
 class TensorLoader:
-    """DataLoader's place for tensors already in memory (on the GPU when training there).
+    """DataLoader's place for a dataset held whole in memory, on the training device.
 
-    Yields (data, target) batches. With shuffle=True the order is DistributedSampler's (seeded
-    by seed + epoch, this rank's 1/world_size share), new each epoch after set_epoch(epoch);
-    with world_size=1 that is a plain shuffle of the whole set. Batches are gathered by index
-    on the tensors' device, so a step does no per-sample work and no host-to-device copy.
+    The dataset's transform runs once, over every image at the same time, instead of once per
+    sample and epoch; the batches are then gathered by index on the device: no per-sample Python
+    work and no host-to-device copy in the training loop. Takes DataLoader's batch_size, shuffle and
+    sampler. shuffle=True draws each epoch's order from seed + epoch (set_epoch), as
+    DistributedSampler does, so a restarted run sees the same batches.
     """
 
-    def __init__(self, images, labels, batch_size, shuffle=False, seed=0, rank=0, world_size=1):
-        self.dataset = TensorDataset(images, labels)
-        self.batch_size = batch_size
-        self.sampler = DistributedSampler(self.dataset, num_replicas=world_size, rank=rank,
-                                          shuffle=True, seed=seed) if shuffle else None
+    def __init__(self, dataset, batch_size, shuffle=False, sampler=None, seed=0, device='cpu'):
+        self.dataset, self.batch_size = dataset, batch_size
+        self.shuffle, self.sampler, self.seed, self.epoch = shuffle, sampler, seed, 0
+        # The images [N, 28, 28] seen as one 28x28 picture with N channels: ToTensor and Normalize
+        # work pixel by pixel, so this one call gives every image bit for bit what it gives each.
+        images = dataset.transform(dataset.data.numpy().transpose(1, 2, 0))
+        self.images = images.unsqueeze(1).to(device)  # [N, 1, 28, 28]
+        self.labels = dataset.targets.to(device)
+        if self.labels.max() > 9:  # uint8 labels: never below 0
+            raise SetupError(f'{dataset.raw_folder} holds labels outside 0..9: the label file is corrupt.')
 
     def set_epoch(self, epoch):
-        if self.sampler is not None:
-            self.sampler.set_epoch(epoch)
+        self.epoch = epoch
 
     def __len__(self):
-        samples = len(self.sampler) if self.sampler is not None else len(self.dataset)
-        return math.ceil(samples / self.batch_size)
+        return math.ceil(len(self.sampler if self.sampler is not None else self.dataset) / self.batch_size)
 
     def __iter__(self):
-        images, labels = self.dataset.tensors
-        if self.sampler is None:
-            for start in range(0, len(images), self.batch_size):
-                yield images[start:start + self.batch_size], labels[start:start + self.batch_size]
-            return
-        order = torch.tensor(list(self.sampler), device=images.device)
-        for indices in order.split(self.batch_size):
-            yield images[indices], labels[indices]
+        if self.sampler is not None:
+            order = torch.tensor(list(self.sampler))
+        elif self.shuffle:
+            order = torch.randperm(len(self.dataset), generator=torch.Generator().manual_seed(self.seed + self.epoch))
+        else:
+            order = torch.arange(len(self.dataset))
+        for indices in order.to(self.images.device).split(self.batch_size):
+            yield self.images[indices], self.labels[indices]
 
 
-# --- saving -----------------------------------------------------------------------------------
+# === Checkpoints ==================================================================================
+# checkpoint.pth, beside best_model.pth, holds what a restarted job needs to go on where the last
+# finished epoch left off. Every file is written whole or not at all.
 
-def check_writable(folder):
-    """Fail now, not after an epoch, if the output folder cannot be created or written."""
-    try:
-        os.makedirs(folder, exist_ok=True)
-        with tempfile.TemporaryFile(dir=folder):
-            pass
-    except OSError as e:
-        raise SetupError(f'cannot write to the output folder {folder} ({e.strerror}); pass '
-                         f'--output-dir with a folder you can write.' + _laptop_hint(folder)) from None
-
-
-def set_aside(path):
-    """Before a fresh start, keep an earlier run's file as <path>.previous rather than overwrite it."""
-    if os.path.exists(path):
-        os.replace(path, path + '.previous')
-        print(f'Starting afresh: the earlier {os.path.basename(path)} is kept as {path}.previous')
+CHECKPOINT_KEYS = {'model', 'optimizer', 'epochs_done', 'best_val_accuracy', 'best_epoch'}
 
 
 def save_atomic(obj, path):
@@ -240,18 +222,70 @@ def save_atomic(obj, path):
     os.replace(tmp_path, path)
 
 
-def read_checkpoint(path):
-    """Load a training checkpoint written by save_atomic, or raise SetupError; the file is kept."""
-    fresh = f'To start fresh, pass --no-resume (the file is then overwritten) or move {path} away.'
+def load_checkpoint(folder, resume=True):
+    """Check that the output folder can be written; return its checkpoint.pth to resume from, or None.
+
+    Fails now, not after an epoch, on an unwritable folder; a damaged checkpoint is refused and kept.
+    """
+    checkpoint_path = os.path.join(folder, 'checkpoint.pth')
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        raise SetupError(f'cannot write to the output folder {folder} ({e.strerror}); pass '
+                         f'--output-dir with a folder you can write.' + _laptop_hint(folder)) from None
+    if not resume or not os.path.exists(checkpoint_path):
+        return None
     try:
         # weights_only: tensors and plain values are all it may hold; no arbitrary objects are built.
-        checkpoint = torch.load(path, map_location='cpu', weights_only=True)
+        checkpoint = torch.load(checkpoint_path, map_location='cpu', weights_only=True)
         missing = CHECKPOINT_KEYS - set(checkpoint)
         if missing:
             raise KeyError(f'no {", ".join(sorted(missing))}')
         SimpleCNN().load_state_dict(checkpoint['model'])
     except Exception as e:  # corrupt, truncated, another model, another program's file
         reason = f'{type(e).__name__}: {e}'.splitlines()[0][:300]
-        raise SetupError(f'cannot resume from {path}: it is not a readable checkpoint of this '
-                         f'model ({reason}). It was left as it is. {fresh}') from None
+        raise SetupError(f'cannot resume from {checkpoint_path}: it is not a readable checkpoint of this '
+                         f'model ({reason}). It was left as it is. To start fresh, pass --no-resume '
+                         f'(the file is then overwritten) or move it away.') from None
     return checkpoint
+
+
+def training_complete(checkpoint, num_epochs, best_model_path, main_process=True):
+    """True, and says so, if the checkpoint already holds num_epochs epochs: nothing is left to do."""
+    if checkpoint is None or checkpoint['epochs_done'] < num_epochs:
+        return False
+    if main_process:
+        print(f'Training already complete: the checkpoint has {checkpoint["epochs_done"]} epochs, '
+              f'best accuracy {checkpoint["best_val_accuracy"]:.2f}% at epoch {checkpoint["best_epoch"]} '
+              f'in {best_model_path}. Pass a larger --epochs to train on, or --no-resume to start over.')
+    return True
+
+
+def resume(checkpoint, model, optimizer, best_model_path, main_process=True):
+    """Load the checkpoint into model and optimizer; return (start_epoch, best_val_accuracy, best_epoch).
+
+    Without a checkpoint the run starts at epoch 0, and an earlier run's best_model.pth is kept as
+    best_model.pth.previous rather than overwritten. main_process: this process prints and owns
+    the output folder (global rank 0).
+    """
+    if checkpoint is None:
+        if main_process and os.path.exists(best_model_path):
+            os.replace(best_model_path, best_model_path + '.previous')
+            print(f'Starting afresh: the earlier best_model.pth is kept as {best_model_path}.previous')
+        return 0, 0.0, None
+    model.load_state_dict(checkpoint['model'])
+    optimizer.load_state_dict(checkpoint['optimizer'])
+    if main_process:
+        print(f'Resuming from epoch {checkpoint["epochs_done"]} (best accuracy so far '
+              f'{checkpoint["best_val_accuracy"]:.2f}%)')
+    return checkpoint['epochs_done'], checkpoint['best_val_accuracy'], checkpoint['best_epoch']
+
+
+def save_checkpoint(folder, writer, model, optimizer, epochs_done, best_val_accuracy, best_epoch):
+    """Write <folder>/checkpoint.pth at the end of an epoch, after the TensorBoard logs: they never lag it."""
+    writer.flush()
+    save_atomic({'model': model.state_dict(), 'optimizer': optimizer.state_dict(), 'epochs_done': epochs_done,
+                 'best_val_accuracy': best_val_accuracy, 'best_epoch': best_epoch},
+                os.path.join(folder, 'checkpoint.pth'))

@@ -17,31 +17,39 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 import torch.optim as optim
-from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data.distributed import DistributedSampler
+from torchvision import datasets, transforms
 from torch.utils.tensorboard import SummaryWriter
 
 import common
 
+# Data preprocessing, as in the document
+transform = transforms.Compose([
+    transforms.ToTensor(),
+    transforms.Normalize((0.5,), (0.5,))
+])
+
 
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-    # Hyperparameters: the document's values are the defaults. --batch-size is per process.
-    parser.add_argument('--batch-size', type=common.positive(int), default=64, help='batch size of each process (default: 64)')
+    # Hyperparameters: the document's values are the defaults.
+    parser.add_argument('--batch-size', type=common.positive(int), default=64,
+                        help='training batch size, of each process in the distributed script (default: 64)')
     parser.add_argument('--lr', type=common.positive(float), default=0.01, help='SGD learning rate (default: 0.01)')
     parser.add_argument('--epochs', type=common.positive(int), default=20, help='number of epochs (default: 20)')
     parser.add_argument('--data-dir', default='/mnt/data/dataSet',
                         help='torchvision root: the files live in <data-dir>/MNIST/raw (default: /mnt/data/dataSet)')
     parser.add_argument('--output-dir', default='/mnt/data/output_distributed',
-                        help='best_model.pth, checkpoint.pth and runs/ go here (default: /mnt/data/output_distributed)')
+                        help='best_model.pth, checkpoint.pth and runs/ go here (default: %(default)s)')
     parser.add_argument('--log-interval', type=common.positive(int), default=100,
                         help='batches between training-loss lines (default: 100)')
     parser.add_argument('--val-batch-size', type=common.positive(int), default=1000,
                         help='validation batch size; does not change the results (default: 1000)')
     parser.add_argument('--seed', type=int, default=0, help='seed for the initial weights and the data order (default: 0)')
-    parser.add_argument('--device', choices=['cuda', 'cpu'], default='cuda' if torch.cuda.is_available() else 'cpu',
-                        help='cuda (GPU LOCAL_RANK) or cpu (default: cuda if available, else cpu)')
+    parser.add_argument('--device', choices=['cpu', 'cuda'], default='cuda' if torch.cuda.is_available() else 'cpu',
+                        help='cpu, cuda or cuda:N; the distributed script takes cpu or cuda, which is GPU '
+                             'LOCAL_RANK (default: cuda if available, else cpu)')
     parser.add_argument('--backend', choices=['nccl', 'gloo'],
                         help='process-group backend (default: nccl on cuda, gloo on cpu)')
     parser.add_argument('--no-resume', action='store_true',
@@ -50,15 +58,50 @@ def parse_args():
     return parser.parse_args()
 
 
-def on_ranks(selected, fn):
-    """Run fn where selected is true; return rank 0's result on every rank.
+def ddp_setup(device_name, backend):
+    """Join the job that torchrun started (alone: a world of one); return rank, world_size, local_rank, device."""
+    env_names = ('RANK', 'WORLD_SIZE', 'LOCAL_RANK', 'MASTER_ADDR', 'MASTER_PORT')
+    missing = [name for name in env_names if name not in os.environ]
+    standalone = not any(name in os.environ for name in env_names[:3])
+    if standalone:
+        print('Not started by torchrun (no RANK, WORLD_SIZE, LOCAL_RANK): running as a world of one process.')
+    elif missing:
+        raise common.SetupError(f'the distributed environment is half set: {", ".join(missing)} missing while '
+                                f'{", ".join(n for n in env_names if n not in missing)} are set. Start the script with '
+                                f'torchrun, which sets them all (on DLC: the README\'s torchrun line).')
+    rank = int(os.environ.get("RANK", 0))
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    backend = backend or ('nccl' if device_name == 'cuda' else 'gloo')
+    if backend == 'nccl' and not (device_name == 'cuda' and torch.cuda.is_available()):
+        raise common.SetupError('backend nccl needs CUDA, which is not available here or not chosen: '
+                                'pass --device cuda on GPU nodes, or --backend gloo.')
+    if device_name == 'cuda':
+        common.check_device(f'cuda:{local_rank}')  # one GPU per process: at most as many processes as GPUs
+        torch.cuda.set_device(local_rank)  # before the process group, so NCCL binds this GPU
+        device = torch.device('cuda', local_rank)
+    else:
+        device = torch.device('cpu')
+    if standalone:  # an in-memory store instead of a master address
+        store = dist.HashStore()
+    else:
+        # torchrun's store at MASTER_ADDR:MASTER_PORT, its keys kept apart per restart attempt: torch
+        # 2.14's torchrun keeps one store across --max-restarts, and a restarted rank would find stale keys.
+        agent_store = os.environ.get('TORCHELASTIC_USE_AGENT_STORE') == 'True'
+        store = dist.TCPStore(os.environ['MASTER_ADDR'], int(os.environ['MASTER_PORT']), world_size,
+                              is_master=rank == 0 and not agent_store, timeout=timedelta(minutes=30))
+        store = dist.PrefixStore(f'attempt_{os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")}', store)
+    dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size)
+    print(f'Rank {rank}/{world_size} (local rank {local_rank}, pid {os.getpid()}) on {device} with {backend}')
+    return rank, world_size, local_rank, device
 
-    If fn fails anywhere, every rank raises, so none is left waiting in a collective forever.
-    """
+
+def on_ranks(selected, fn, *args):
+    """fn(*args) on the selected ranks while the others wait; rank 0's result for all, or everyone raises."""
     result, error = None, None
     if selected:
         try:
-            result = fn()
+            result = fn(*args)
         except Exception as e:
             error = e
     gathered = [None] * dist.get_world_size()
@@ -71,166 +114,111 @@ def on_ranks(selected, fn):
     return gathered[0][0]
 
 
+def train(model, train_loader, optimizer, criterion, epoch, device, writer, log_interval, rank, local_rank, world_size):
+    model.train()
+    for batch_idx, (data, target) in enumerate(train_loader):
+        data, target = data.to(device, non_blocking=True), target.to(device, non_blocking=True)  # no-op: already there
+        optimizer.zero_grad()
+        output = model(data)
+        loss = criterion(output, target)
+        loss.backward()
+        optimizer.step()
+        if batch_idx % log_interval == 0:
+            loss_value = loss.item()  # the loop's one host sync, at log lines only
+            print(f"Rank: {rank}, Local_Rank: {local_rank} -- Train Epoch: {epoch} "
+                  f"[{batch_idx * len(data) * world_size}/{len(train_loader.dataset)} "
+                  f"({100. * batch_idx / len(train_loader):.0f}%)]\tLoss: {loss_value:.6f}")
+            if rank == 0:
+                writer.add_scalar('Loss/train', loss_value, epoch * len(train_loader) + batch_idx)
+
+
+def validate(model, val_loader, criterion, device, writer, epoch, rank):
+    """The document's validation and its record; the sums stay on the device until the end."""
+    model.eval()
+    val_loss = 0
+    correct = 0
+    with torch.no_grad():
+        for data, target in val_loader:
+            data, target = data.to(device, non_blocking=True), target.to(device, non_blocking=True)
+            output = model(data)
+            val_loss += criterion(output, target) * data.size(0)  # the batch's sum, not its mean
+            pred = output.argmax(dim=1, keepdim=True)
+            correct += pred.eq(target.view_as(pred)).sum()
+    # Each rank validated its own share of the test set: together, every image once
+    dist.all_reduce(val_loss, op=dist.ReduceOp.SUM)
+    dist.all_reduce(correct, op=dist.ReduceOp.SUM)
+    val_loss, correct = val_loss.item(), correct.item()
+    val_loss /= len(val_loader.dataset)  # per sample (the document's single script divides by the number of batches)
+    val_accuracy = 100. * correct / len(val_loader.dataset)
+    if rank != 0:
+        return val_loss, val_accuracy  # rank 0 alone reports
+    print(f'Validation Loss: {val_loss:.4f}, Accuracy: {correct}/{len(val_loader.dataset)} ({val_accuracy:.0f}%)')
+    writer.add_scalar('Loss/validation', val_loss, epoch)
+    writer.add_scalar('Accuracy/validation', val_accuracy, epoch)
+    return val_loss, val_accuracy
+
+
 def main(args):
-    # torchrun sets RANK, WORLD_SIZE and LOCAL_RANK for each process; MASTER_* too.
-    env_names = ('RANK', 'WORLD_SIZE', 'LOCAL_RANK', 'MASTER_ADDR', 'MASTER_PORT')
-    missing = [name for name in env_names if name not in os.environ]
-    standalone = not any(name in os.environ for name in env_names[:3])
-    if standalone:
-        print('Not started by torchrun (no RANK, WORLD_SIZE, LOCAL_RANK): running as a world of one process.')
-    elif missing:
-        raise common.SetupError(
-            f'the distributed environment is half set: {", ".join(missing)} missing while '
-            f'{", ".join(n for n in env_names if n not in missing)} are set. Start the script with '
-            f'torchrun, which sets them all (on DLC: the torchrun line in the README, whose '
-            f'--nnodes and --node_rank take DLC\'s WORLD_SIZE and RANK).')
-    rank = int(os.environ.get('RANK', 0))
-    world_size = int(os.environ.get('WORLD_SIZE', 1))
-    local_rank = int(os.environ.get('LOCAL_RANK', 0))
-    backend = args.backend or ('nccl' if args.device == 'cuda' else 'gloo')
-    if args.device == 'cuda' or backend == 'nccl':
-        if not torch.cuda.is_available():
-            raise common.SetupError(f'--device {args.device} with backend {backend} needs CUDA, which '
-                                    f'is not available here; pass --device cpu (gloo) or run on GPU nodes.')
-        if local_rank >= torch.cuda.device_count():
-            raise common.SetupError(f'LOCAL_RANK {local_rank} but only {torch.cuda.device_count()} GPUs on '
-                                    f'this node: start at most that many processes per node (--nproc_per_node).')
-    if backend == 'nccl' and args.device != 'cuda':
-        raise common.SetupError('backend nccl works on GPUs only: pass --device cuda, or --backend gloo.')
+    # Hyperparameters: the flags, whose defaults are the document's values
+    batch_size, learning_rate, num_epochs = args.batch_size, args.lr, args.epochs
 
-    if args.device == 'cuda':
-        torch.cuda.set_device(local_rank)  # before the process group, so NCCL binds this GPU
-        device = torch.device('cuda', local_rank)
-    else:
-        device = torch.device('cpu')
-    if standalone:  # an in-memory store instead of a master address
-        store = dist.HashStore()
-    else:
-        # torchrun's store at MASTER_ADDR:MASTER_PORT (hosted by rank 0 under other launchers), with
-        # keys kept apart per restart: torch 2.14's torchrun keeps its store across --max-restarts
-        # attempts, and a restarted rank would otherwise read the address of a dead one.
-        agent_store = os.environ.get('TORCHELASTIC_USE_AGENT_STORE') == 'True'
-        store = dist.TCPStore(os.environ['MASTER_ADDR'], int(os.environ['MASTER_PORT']), world_size,
-                              is_master=rank == 0 and not agent_store, timeout=timedelta(minutes=30))
-        store = dist.PrefixStore(f'attempt_{os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")}', store)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
-    print(f'Rank {rank}/{world_size} (local rank {local_rank}, pid {os.getpid()}) on {device} with {backend}')
+    # Device: the GPU if there is one (in the distributed script, this process's own)
+    rank, world_size, local_rank, device = ddp_setup(args.device, args.backend)
 
-    # Rank 0 owns the output folder: it checks it can write there and reads any checkpoint,
-    # before any data is read; every rank gets the checkpoint from it.
-    checkpoint_path = os.path.join(args.output_dir, 'checkpoint.pth')
+    # Restarts: checked before any data is read; an earlier run's checkpoint.pth is picked up
     best_model_path = os.path.join(args.output_dir, 'best_model.pth')
-
-    def check_output_and_read_checkpoint():
-        common.check_writable(args.output_dir)
-        if os.path.exists(checkpoint_path) and not args.no_resume:
-            return common.read_checkpoint(checkpoint_path)
-    checkpoint = on_ranks(rank == 0, check_output_and_read_checkpoint)
-    if checkpoint is not None and checkpoint['epochs_done'] >= args.epochs:
-        if rank == 0:
-            print(f'Training already complete: {checkpoint_path} has {checkpoint["epochs_done"]} '
-                  f'epochs, best accuracy {checkpoint["best_val_accuracy"]:.2f}% at epoch '
-                  f'{checkpoint["best_epoch"]} in {best_model_path}. Pass a larger --epochs to '
-                  f'train on, or --no-resume to start over.')
-        dist.destroy_process_group()
+    checkpoint = on_ranks(rank == 0, common.load_checkpoint, args.output_dir, not args.no_resume)
+    if common.training_complete(checkpoint, num_epochs, best_model_path, main_process=rank == 0):
         return
 
-    # Data: global rank 0 downloads first (one download on a shared mount); then the first
-    # process of each other node fetches its own copy if it still sees none (node-local disks).
-    # Everyone else only reads, after both rounds.
-    on_ranks(rank == 0, lambda: common.prepare_mnist(args.data_dir))
-    on_ranks(local_rank == 0 and rank != 0, lambda: common.prepare_mnist(args.data_dir))
-    common.prepare_mnist(args.data_dir, download=False)
-    train_images, train_labels = common.load_mnist(args.data_dir, train=True, device=device)
-    val_images, val_labels = common.load_mnist(args.data_dir, train=False, device=device)
-    # Training: DistributedSampler's share, reshuffled by set_epoch. Validation: a disjoint
-    # share per rank with no padding, so the summed counts are exactly the test set.
-    train_loader = common.TensorLoader(train_images, train_labels, args.batch_size, shuffle=True,
-                                       seed=args.seed, rank=rank, world_size=world_size)
-    val_loader = common.TensorLoader(*common.shard([val_images, val_labels], rank, world_size),
-                                     args.val_batch_size)
+    # Data: rank 0 downloads, then the first process of any node that sees none. Validation: a disjoint
+    # share per rank, no padding, so the sums are exact. TensorLoader applies the transform once.
+    on_ranks(rank == 0, common.prepare_mnist, args.data_dir)
+    on_ranks(local_rank == 0 and rank != 0, common.prepare_mnist, args.data_dir)
+    train_dataset = datasets.MNIST(root=args.data_dir, train=True, download=False, transform=transform)
+    val_dataset = datasets.MNIST(root=args.data_dir, train=False, download=False, transform=transform)
+    train_sampler = DistributedSampler(train_dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed)
+    train_loader = common.TensorLoader(train_dataset, batch_size=batch_size, sampler=train_sampler, device=device)
+    val_loader = common.TensorLoader(val_dataset, batch_size=args.val_batch_size, sampler=range(rank, len(val_dataset), world_size), device=device)
 
+    # Model, on the GPU if there is one
     torch.manual_seed(args.seed)
-    model = common.SimpleCNN().to(device, memory_format=common.SimpleCNN.memory_format(device))
-    if checkpoint is not None:
-        model.load_state_dict(checkpoint['model'])
-    # DDP copies rank 0's weights to every rank here; device_ids only for a GPU module.
-    model = DDP(model, device_ids=[local_rank] if device.type == 'cuda' else None)
+    model = common.SimpleCNN().to(device)
+    if device.type == 'cpu':  # channels_last: convolutions and pooling about 25% faster on CPU
+        model = model.to(memory_format=torch.channels_last)
+    # DDP: rank 0's weights on every rank now, the gradients averaged in each backward()
+    model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[local_rank] if device.type == 'cuda' else None)
     criterion = nn.CrossEntropyLoss()
-    optimizer = optim.SGD(model.parameters(), lr=args.lr)
-    start_epoch, best_val_accuracy, best_epoch = 0, 0.0, None
-    if checkpoint is not None:
-        optimizer.load_state_dict(checkpoint['optimizer'])
-        start_epoch = checkpoint['epochs_done']
-        best_val_accuracy, best_epoch = checkpoint['best_val_accuracy'], checkpoint['best_epoch']
-        if rank == 0:
-            print(f'Resuming from epoch {start_epoch} ({checkpoint_path}; best accuracy so far '
-                  f'{best_val_accuracy:.2f}%)')
-    elif rank == 0:
-        common.set_aside(best_model_path)
+    optimizer = optim.SGD(model.parameters(), lr=learning_rate)
+    start_epoch, best_val_accuracy, best_epoch = common.resume(checkpoint, model.module, optimizer, best_model_path, main_process=rank == 0)
 
-    if rank == 0:  # purge_step: TensorBoard hides an interrupted run's steps from here on
-        writer = SummaryWriter(os.path.join(args.output_dir, 'runs', 'mnist_experiment'),
-                               purge_step=start_epoch * len(train_loader))
+    # TensorBoard (purge_step: steps an interrupted run logged past its checkpoint are hidden)
+    writer = (SummaryWriter(f'{args.output_dir}/runs/mnist_experiment', purge_step=start_epoch * len(train_loader))
+              if rank == 0 else None)
+
+    # Training, with validation after each epoch
     run_start = time.perf_counter()
-    for epoch in range(start_epoch, args.epochs):
+    for epoch in range(start_epoch, num_epochs):
         epoch_start = time.perf_counter()
-        train_loader.set_epoch(epoch)
-        model.train()
-        for batch_idx, (data, target) in enumerate(train_loader):
-            optimizer.zero_grad()
-            output = model(data)
-            loss = criterion(output, target)
-            loss.backward()  # DDP averages the gradients across ranks here
-            optimizer.step()
-            if batch_idx % args.log_interval == 0:
-                loss_value = loss.item()  # the only host sync in the loop, as in the document
-                print(f'Rank: {rank}, Local_Rank: {local_rank} -- Train Epoch: {epoch} '
-                      f'[{batch_idx * len(data) * world_size}/{len(train_loader.dataset)} '
-                      f'({100. * batch_idx / len(train_loader):.0f}%)]\tLoss: {loss_value:.6f}')
-                if rank == 0:
-                    writer.add_scalar('Loss/train', loss_value, epoch * len(train_loader) + batch_idx)
-
-        # Validation: each rank its own share; sums on the device, one all-reduce, one sync.
-        model.eval()
-        totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, count
-        with torch.no_grad():
-            for data, target in val_loader:
-                output = model(data)
-                totals[0] += F.cross_entropy(output, target, reduction='sum')
-                totals[1] += (output.argmax(dim=1) == target).sum()
-                totals[2] += len(target)
-        dist.all_reduce(totals, op=dist.ReduceOp.SUM)
-        val_loss_sum, correct, total = totals.tolist()
-        val_loss = val_loss_sum / total
-        val_accuracy = 100. * correct / total
-        correct, total = int(correct), int(total)
-        improved = val_accuracy > best_val_accuracy
-        if improved:  # on every rank, so all keep the same record
-            best_val_accuracy, best_epoch = val_accuracy, epoch
-        if rank == 0:
-            print(f'Validation Loss: {val_loss:.4f}, Accuracy: {correct}/{total} ({val_accuracy:.0f}%)')
-            writer.add_scalar('Loss/validation', val_loss, epoch)
-            writer.add_scalar('Accuracy/validation', val_accuracy, epoch)
-            if improved:
-                # model.module: the plain model, so the keys carry no 'module.' prefix.
-                common.save_atomic(model.module.state_dict(), best_model_path)
-                print(f'Model saved with accuracy: {best_val_accuracy:.2f}%')
-            writer.flush()  # the logs first, then the checkpoint
-            common.save_atomic({'model': model.module.state_dict(), 'optimizer': optimizer.state_dict(),
-                                'epochs_done': epoch + 1, 'best_val_accuracy': best_val_accuracy,
-                                'best_epoch': best_epoch}, checkpoint_path)
-            epoch_time = time.perf_counter() - epoch_start
-            print(f'Epoch {epoch} done in {epoch_time:.2f}s '
-                  f'({len(train_loader.dataset) / epoch_time:.0f} samples/s over {world_size} processes)')
-
-    if rank == 0:
-        writer.close()
-        print(f'Best accuracy {best_val_accuracy:.2f}% at epoch {best_epoch}, saved in {best_model_path}; '
-              f'{args.epochs - start_epoch} epochs in {time.perf_counter() - run_start:.1f}s')
-    dist.destroy_process_group()
-    if rank == 0:
-        print('Training complete. writer.close()')
+        train_sampler.set_epoch(epoch)  # a new order each epoch, the same one after a restart
+        train(model, train_loader, optimizer, criterion, epoch, device, writer, args.log_interval, rank, local_rank, world_size)
+        val_loss, val_accuracy = validate(model, val_loader, criterion, device, writer, epoch, rank)
+        if rank != 0:
+            continue  # rank 0 alone logs and saves
+        # Save the model with the best validation accuracy, then the checkpoint (logs first)
+        if val_accuracy > best_val_accuracy:
+            best_val_accuracy = val_accuracy
+            best_epoch = epoch
+            common.save_atomic(model.module.state_dict(), best_model_path)  # no 'module.' in the keys
+            print(f'Model saved with accuracy: {best_val_accuracy:.2f}%')
+        common.save_checkpoint(args.output_dir, writer, model.module, optimizer, epoch + 1, best_val_accuracy, best_epoch)
+        epoch_time = time.perf_counter() - epoch_start
+        print(f'Epoch {epoch} done in {epoch_time:.2f}s ({len(train_loader.dataset) / epoch_time:.0f} samples/s)')
+    if rank != 0:
+        return
+    writer.close()
+    print(f'Best accuracy {best_val_accuracy:.2f}% at epoch {best_epoch}, saved in {best_model_path}; {num_epochs - start_epoch} epochs in {time.perf_counter() - run_start:.1f}s')
+    print('Training complete. writer.close()')
 
 
 if __name__ == '__main__':
@@ -240,8 +228,9 @@ if __name__ == '__main__':
     try:
         main(args)
     except common.SetupError as e:
-        if dist.is_initialized():
-            dist.destroy_process_group()
         if args.debug:
             raise
         sys.exit(f'error: {e}')
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -79,14 +79,16 @@ def main():
     doc_val_loader = DataLoader(doc_val, batch_size=64, shuffle=False)
     # Ours, as mnist_train.py builds it.
     if 'ours' in pipelines or 'floor' in pipelines:
-        train_loader = common.TensorLoader(*common.load_mnist(args.data_dir, True, device), 64, shuffle=True)
-        val_loader = common.TensorLoader(*common.load_mnist(args.data_dir, False, device), 1000)
+        train_loader = common.TensorLoader(doc_train, batch_size=64, shuffle=True, device=device)
+        val_loader = common.TensorLoader(doc_val, batch_size=1000, shuffle=False, device=device)
     if 'floor' in pipelines:
         premade = [(d.clone(), t.clone()) for d, t in train_loader]
 
+    ours_layout = torch.channels_last if device.type == 'cpu' else torch.contiguous_format  # as the scripts
+
     def fresh(layout):
         torch.manual_seed(0)
-        model = common.SimpleCNN().to(device, memory_format=layout)
+        model = common.SimpleCNN().to(device).to(memory_format=layout)
         return model, optim.SGD(model.parameters(), lr=0.01), nn.CrossEntropyLoss()
 
     times = {name: [] for name in pipelines}
@@ -103,16 +105,16 @@ def main():
                     start = time.perf_counter()
                     document_epoch(model, optimizer, criterion, doc_train_loader, doc_val_loader, device, writer, rep)
                 elif name == 'ours':
-                    model, optimizer, criterion = fresh(common.SimpleCNN.memory_format(device))
+                    model, optimizer, criterion = fresh(ours_layout)
                     sync(device)
                     start = time.perf_counter()
                     train_loader.set_epoch(rep)
                     mnist_train.train(model, train_loader, optimizer, criterion, rep, device, writer, 100)
                     sync(device)
                     train_part.append(time.perf_counter() - start)
-                    mnist_train.validate(model, val_loader, device).tolist()
+                    mnist_train.validate(model, val_loader, criterion, device)
                 else:
-                    model, optimizer, criterion = fresh(common.SimpleCNN.memory_format(device))
+                    model, optimizer, criterion = fresh(ours_layout)
                     sync(device)
                     start = time.perf_counter()
                     for data, target in premade:

@@ -17,11 +17,39 @@ def test_model_keys_and_shapes():
     assert model(torch.zeros(3, 1, 28, 28)).shape == (3, 10)
 
 
+DOC_TRANSFORM = transforms.Compose([transforms.ToTensor(), transforms.Normalize((0.5,), (0.5,))])
+
+
+class FakeMNIST:
+    """What TensorLoader reads of a torchvision MNIST: data [N, 28, 28] uint8, targets, transform."""
+
+    def __init__(self, n, labels=None):
+        assert n <= 256, 'image i is filled with the value i'
+        self.data = torch.arange(n).to(torch.uint8).view(n, 1, 1).expand(n, 28, 28).contiguous()
+        self.targets = torch.arange(n) % 10 if labels is None else labels
+        self.transform, self.raw_folder = DOC_TRANSFORM, 'fake/MNIST/raw'
+
+    def __len__(self):
+        return len(self.data)
+
+
+def sample_ids(batch):
+    """Which samples a batch holds (FakeMNIST image i has every pixel equal to i); checks the labels."""
+    data, target = batch
+    ids = (data[:, 0, 0, 0] * 0.5 + 0.5).mul(255).round().long()
+    assert torch.equal(target, ids % 10), 'each image comes with its own label'
+    return ids.tolist()
+
+
+def epoch_ids(loader):
+    return sum((sample_ids(batch) for batch in loader), [])
+
+
 @pytest.mark.parametrize('train', [True, False])
 def test_tensors_equal_the_documents_transform(mnist_dir, train):
-    doc_transform = transforms.Compose([transforms.ToTensor(), transforms.Normalize((0.5,), (0.5,))])
-    doc_dataset = datasets.MNIST(root=mnist_dir, train=train, download=False, transform=doc_transform)
-    images, labels = common.load_mnist(mnist_dir, train=train, device='cpu')
+    doc_dataset = datasets.MNIST(root=mnist_dir, train=train, download=False, transform=DOC_TRANSFORM)
+    loader = common.TensorLoader(doc_dataset, batch_size=64, device='cpu')
+    images, labels = loader.images, loader.labels
     assert images.shape == (len(doc_dataset), 1, 28, 28) and images.dtype == torch.float32
     for i in range(len(doc_dataset)):
         image, label = doc_dataset[i]
@@ -30,34 +58,36 @@ def test_tensors_equal_the_documents_transform(mnist_dir, train):
 
 
 def test_an_epoch_visits_each_sample_once_in_a_new_order_each_epoch():
-    images = torch.arange(100, dtype=torch.float32).view(100, 1, 1, 1)
-    labels = torch.arange(100)
-    loader = common.TensorLoader(images, labels, batch_size=16, shuffle=True, seed=3)
+    loader = common.TensorLoader(FakeMNIST(100), batch_size=16, shuffle=True, seed=3)
     orders = []
     for epoch in range(3):
         loader.set_epoch(epoch)
-        batches = list(loader)
-        assert len(batches) == len(loader) == 7
-        seen = torch.cat([target for _, target in batches])
-        assert sorted(seen.tolist()) == list(range(100))
-        assert all(torch.equal(data.view(-1).long(), target) for data, target in batches)
-        orders.append(seen.tolist())
+        assert len(list(loader)) == len(loader) == 7
+        seen = epoch_ids(loader)
+        assert sorted(seen) == list(range(100))
+        orders.append(seen)
     assert orders[0] != orders[1] != orders[2]
     loader.set_epoch(1)  # the same epoch gives the same order again, as after a restart
-    assert torch.cat([t for _, t in loader]).tolist() == orders[1]
+    assert epoch_ids(loader) == orders[1]
+    # The single script's order is DistributedSampler's for a world of one (as before the redesign).
+    sampler = torch.utils.data.DistributedSampler(range(100), num_replicas=1, rank=0, seed=3)
+    sampler.set_epoch(1)
+    assert orders[1] == list(sampler)
 
 
 @pytest.mark.parametrize('n, world_size', [(100, 2), (101, 3)])
 def test_distributed_training_shares_are_samplers_and_cover_the_set(n, world_size):
-    images, labels = torch.zeros(n, 1, 1, 1), torch.arange(n)
+    dataset = FakeMNIST(n)
     shares = []
     for rank in range(world_size):
-        loader = common.TensorLoader(images, labels, 8, shuffle=True, seed=0, rank=rank, world_size=world_size)
-        loader.set_epoch(5)
-        sampler = torch.utils.data.DistributedSampler(range(n), num_replicas=world_size, rank=rank, seed=0)
+        sampler = torch.utils.data.DistributedSampler(dataset, num_replicas=world_size, rank=rank, seed=0)
+        loader = common.TensorLoader(dataset, 8, sampler=sampler)
         sampler.set_epoch(5)
-        shares.append(torch.cat([t for _, t in loader]).tolist())
-        assert shares[-1] == list(sampler)
+        shares.append(epoch_ids(loader))
+        assert len(loader) == -(-len(sampler) // 8)
+        expected = torch.utils.data.DistributedSampler(range(n), num_replicas=world_size, rank=rank, seed=0)
+        expected.set_epoch(5)
+        assert shares[-1] == list(expected)
     everything = sum(shares, [])
     assert set(everything) == set(range(n))
     padding = -n % world_size  # DistributedSampler repeats a few samples so all shares are equal
@@ -68,15 +98,23 @@ def test_distributed_training_shares_are_samplers_and_cover_the_set(n, world_siz
 
 @pytest.mark.parametrize('world_size', [1, 2, 3, 7])
 def test_validation_shards_are_disjoint_and_exact(world_size):
-    labels = torch.arange(10000)
-    parts = [common.shard([labels], rank, world_size)[0] for rank in range(world_size)]
-    assert torch.equal(torch.cat(parts), labels)
+    # The distributed script's validation sampler for each rank, as it writes it.
+    dataset = FakeMNIST(250)
+    parts = [epoch_ids(common.TensorLoader(dataset, 64, sampler=range(rank, 250, world_size)))
+             for rank in range(world_size)]
+    everything = sum(parts, [])
+    assert sorted(everything) == list(range(250)) and len(everything) == 250
 
 
 def test_validation_loader_keeps_order_and_last_partial_batch():
-    loader = common.TensorLoader(torch.zeros(10, 1, 1, 1), torch.arange(10), batch_size=4)
-    assert [t.tolist() for _, t in loader] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    loader = common.TensorLoader(FakeMNIST(10), batch_size=4)
+    assert [sample_ids(batch) for batch in loader] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
     assert len(loader) == 3 and len(loader.dataset) == 10
+
+
+def test_labels_outside_0_to_9_are_refused():
+    with pytest.raises(common.SetupError, match='labels outside 0..9'):
+        common.TensorLoader(FakeMNIST(10, labels=torch.tensor([0] * 9 + [10])), batch_size=4)
 
 
 def test_truncated_file_is_named(tmp_path):
@@ -128,7 +166,7 @@ def test_a_crash_between_temp_write_and_replace_leaves_the_old_file(tmp_path, mo
     assert torch.load(path, weights_only=True) == {'epochs_done': 3}
 
 
-def test_read_checkpoint_refuses_another_model_and_keeps_the_file(tmp_path):
+def test_load_checkpoint_refuses_another_model_and_keeps_the_file(tmp_path):
     path = str(tmp_path / 'checkpoint.pth')
     other = torch.nn.Linear(784, 10)
     checkpoint = {'model': other.state_dict(), 'optimizer': {}, 'epochs_done': 1,
@@ -136,7 +174,7 @@ def test_read_checkpoint_refuses_another_model_and_keeps_the_file(tmp_path):
     torch.save(checkpoint, path)
     before = open(path, 'rb').read()
     with pytest.raises(common.SetupError, match='--no-resume'):
-        common.read_checkpoint(path)
+        common.load_checkpoint(str(tmp_path))
     assert open(path, 'rb').read() == before
 
 

@@ -233,4 +233,7 @@ if __name__ == '__main__':
         sys.exit(f'error: {e}')
     finally:
         if dist.is_initialized():
+            # Before torch 2.8, Gloo's teardown holds the GIL while its threads may still need it to
+            # free the last collective's tensors, and hangs (pytorch/pytorch#154976): let them finish.
+            time.sleep(0.1)
             dist.destroy_process_group()

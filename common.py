@@ -5,10 +5,15 @@ Everything else, the training loop included, stays in each script, so that each 
 document's own.
 """
 import argparse
+import contextlib
+import gzip
+import io
 import math
 import os
 import shutil
+import signal
 import socket
+import sys
 import tempfile
 from urllib.error import URLError
 
@@ -20,10 +25,54 @@ from torchvision.datasets.utils import download_and_extract_archive
 
 
 class SetupError(Exception):
-    """A problem the user can fix (flags, environment, data, output folder, checkpoint).
+    """A problem the user can fix (flags, environment, data, output folder, checkpoint, full disk).
 
-    The scripts print it as one paragraph, without a traceback unless --debug is given.
+    The scripts print it as one paragraph, without a traceback unless --debug is given, and exit 1.
     """
+
+
+class Interrupted(BaseException):
+    """Ctrl-C (SIGINT) or SIGTERM (what torchrun, Kubernetes and DLC send to stop a job)."""
+
+    def __init__(self, signum):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def stop_on_signals():
+    """Make SIGINT and SIGTERM raise Interrupted wherever the run is, so that it ends cleanly."""
+    def handler(signum, frame):
+        raise Interrupted(signum)
+    signal.signal(signal.SIGINT, handler)
+    signal.signal(signal.SIGTERM, handler)
+
+
+def exit_on(error, args, main_process=True):
+    """End the run on a SetupError (exit 1) or an interrupt (exit 128 + signal), with one paragraph."""
+    if isinstance(error, Interrupted):
+        if main_process:
+            checkpoint_path = os.path.join(args.output_dir, 'checkpoint.pth')
+            try:
+                epochs_done = torch.load(checkpoint_path, map_location='cpu', weights_only=True)['epochs_done']
+            except Exception:
+                epochs_done = 0
+            how = ('the same command without --no-resume' if args.no_resume and epochs_done
+                   else 'the same command')
+            sys.stderr.write(f'Stopped by {"Ctrl-C" if error.signum == signal.SIGINT else error}, after '
+                             f'{epochs_done} finished epochs: {how} resumes from epoch {epochs_done}.\n')
+        return 128 + error.signum
+    sys.stderr.write(f'error: {error}\n')  # one write: the ranks of a job share the stream
+    return 1
+
+
+def check_finite(loss, epoch, batch_idx=None):
+    """Stop the run, before anything is saved, once a loss is nan or infinite: the model has diverged."""
+    if not math.isfinite(loss):
+        where = f'epoch {epoch}, batch {batch_idx}' if batch_idx is not None else f'the validation of epoch {epoch}'
+        raise SetupError(f'training diverged: the loss became {loss} at {where}. checkpoint.pth and '
+                         f'best_model.pth are left as the last finished epoch wrote them. The learning rate '
+                         f'is probably too large: train again with a smaller --lr (the document uses 0.01), '
+                         f'adding --no-resume if this output folder already has a checkpoint of this run.')
 
 
 def positive(kind):
@@ -40,15 +89,24 @@ def positive(kind):
 
 
 def check_device(name):
-    """torch.device(name), or SetupError if it is not a device or not present on this machine."""
+    """torch.device(name), or SetupError if it is not a device or not available on this machine."""
     try:
         device = torch.device(name)
     except RuntimeError:
-        raise SetupError(f'--device {name} is not a device; pass cpu, cuda or cuda:N.') from None
+        raise SetupError(f'--device {name} is not a device; pass cpu, cuda, cuda:N or mps.') from None
     if device.type == 'cuda' and (device.index or 0) >= torch.cuda.device_count():
         raise SetupError(f'--device {name} was asked for, but this machine has {torch.cuda.device_count()} CUDA '
                          f'GPUs; pass --device cpu or run on a GPU node (distributed: one process per GPU, '
                          f'so --nproc_per_node at most the number of GPUs).')
+    if device.type != 'cpu':
+        try:
+            if device.type == 'mps' and not torch.backends.mps.is_available():
+                raise RuntimeError('MPS needs a Mac with Apple silicon and a PyTorch built for it')
+            torch.zeros(1, device=device)
+        except (RuntimeError, AssertionError) as e:  # a build without that backend, no such device, ...
+            reason = (str(e).splitlines()[0] if str(e) else type(e).__name__)[:200]
+            raise SetupError(f'--device {name} is not available on this machine ({reason}); pass '
+                             f'--device cpu, or leave --device out to use a CUDA GPU when there is one.') from None
     return device
 
 
@@ -83,6 +141,19 @@ MNIST_FILES = {  # file in <data-dir>/MNIST/raw: (IDX magic number, shape of one
 }
 
 
+def mnist_root(path):
+    """argparse type of --data-dir: the folder that holds MNIST/raw, also when given MNIST or MNIST/raw itself."""
+    folder = os.path.normpath(path)
+    if os.path.isdir(os.path.join(folder, 'MNIST', 'raw')):
+        return path
+    for inner in ('MNIST', os.path.join('MNIST', 'raw')):
+        if folder.endswith(os.sep + inner) or folder == inner:
+            root = folder[:-len(inner)].rstrip(os.sep) or '.'
+            print(f'--data-dir {path} is the {inner} folder itself; reading the data from {root}/MNIST/raw')
+            return root
+    return path
+
+
 def _laptop_hint(path):
     if os.path.abspath(path).startswith('/mnt/data'):
         return (' /mnt/data is the dataset mount of a DLC job; on another machine pass --data-dir '
@@ -90,9 +161,9 @@ def _laptop_hint(path):
     return ''
 
 
-def check_idx_file(path):
-    """Return the item count of a complete MNIST IDX file, or raise SetupError."""
-    name = os.path.basename(path)
+def check_idx_file(path, name=None):
+    """Return the item count of a complete MNIST IDX file (name: which of the four), or raise SetupError."""
+    name = name or os.path.basename(path)
     magic, item_shape = MNIST_FILES[name]
     with open(path, 'rb') as f:
         header = f.read(8 + 4 * len(item_shape))
@@ -113,55 +184,84 @@ def check_idx_file(path):
 def prepare_mnist(data_dir, download=True):
     """What datasets.MNIST(download=True) does, made safe: the four files in <data_dir>/MNIST/raw, checked.
 
-    Mirrors tried in turn: $MNIST_MIRROR (a URL prefix, for nodes that reach only an internal
-    mirror or OSS; its files are checked for format, not checksum), then torchvision's. Each file
-    is downloaded into a private temporary folder and moved into place whole, so a reader never
-    sees half a file and a killed download leaves no partial file where the data belongs.
+    A file missing beside its .gz (as downloaded by hand) is extracted from it; the rest are
+    downloaded. Every file is written beside its place and moved there whole, so a reader never sees
+    half a file and a killed run leaves no partial one.
     """
     raw_folder = os.path.join(data_dir, 'MNIST', 'raw')
     missing = [name for name in MNIST_FILES if not os.path.isfile(os.path.join(raw_folder, name))]
-    failure = ''
+    failure = _extract_archives(raw_folder, missing)
     if missing and download:
-        try:
-            os.makedirs(raw_folder, exist_ok=True)
-            staging = tempfile.mkdtemp(prefix='.download-', dir=raw_folder)
-        except OSError as e:
-            raise SetupError(f'cannot create {raw_folder} to download MNIST into ({e.strerror}).'
-                             + _laptop_hint(data_dir)) from None
-        mirrors = [(m.rstrip('/') + '/', False) for m in [os.environ.get('MNIST_MIRROR')] if m]
-        mirrors += [(m, True) for m in datasets.MNIST.mirrors]
-        md5s = dict(datasets.MNIST.resources)
-        old_timeout = socket.getdefaulttimeout()
-        socket.setdefaulttimeout(30)  # urllib waits forever by default; a blocked node should fail
-        try:
-            for name in list(missing):
-                for mirror, check_md5 in mirrors:
-                    try:
-                        download_and_extract_archive(mirror + name + '.gz', staging,
-                                                     md5=md5s[name + '.gz'] if check_md5 else None)
-                        check_idx_file(os.path.join(staging, name))
-                        os.replace(os.path.join(staging, name), os.path.join(raw_folder, name))
-                        missing.remove(name)
-                        break
-                    except (URLError, OSError, RuntimeError, SetupError) as e:
-                        failure = f' The last download error was: {mirror}{name}.gz: {e}.'
-                else:
-                    break  # no mirror has this file: the others will not fare better
-        finally:
-            socket.setdefaulttimeout(old_timeout)
-            shutil.rmtree(staging, ignore_errors=True)
+        failure += _download(data_dir, raw_folder, missing)
     if missing:
         raise SetupError(
             f'MNIST is not in {raw_folder} and could not be downloaded (missing: '
             f'{", ".join(missing)}). On a node without internet access, put the four files '
-            f'{", ".join(MNIST_FILES)} (uncompressed) in that folder, for example by uploading '
-            f'them to the dataset, or set MNIST_MIRROR to a URL prefix that serves them as .gz.'
-            + failure + _laptop_hint(data_dir))
+            f'{", ".join(MNIST_FILES)} in that folder (uncompressed, or the .gz files as downloaded), '
+            f'for example by uploading them to the dataset, or set MNIST_MIRROR to a URL prefix that '
+            f'serves them as .gz.' + failure + _laptop_hint(data_dir))
     counts = {name: check_idx_file(os.path.join(raw_folder, name)) for name in MNIST_FILES}
     for split in ('train', 't10k'):
         if counts[f'{split}-images-idx3-ubyte'] != counts[f'{split}-labels-idx1-ubyte']:
             raise SetupError(f'{raw_folder}: {split}-images-idx3-ubyte and {split}-labels-idx1-ubyte '
                              f'hold different numbers of items; replace them with a matching pair.')
+
+
+def _extract_archives(raw_folder, missing):
+    """Extract each missing file that has its .gz beside it; remove it from missing. Returns what failed."""
+    failure = ''
+    for name in [n for n in missing if os.path.isfile(os.path.join(raw_folder, n + '.gz'))]:
+        archive, target = os.path.join(raw_folder, name + '.gz'), os.path.join(raw_folder, name)
+        try:
+            with gzip.open(archive) as src, open(target + '.tmp', 'wb') as dst:
+                shutil.copyfileobj(src, dst)
+            check_idx_file(target + '.tmp', name)
+            os.replace(target + '.tmp', target)
+            missing.remove(name)
+        except (OSError, EOFError, SetupError) as e:
+            failure += f' {archive} could not be used ({e}).'
+        finally:
+            with contextlib.suppress(OSError):
+                os.remove(target + '.tmp')
+    return failure
+
+
+def _download(data_dir, raw_folder, missing):
+    """Download the missing files; remove each one fetched from missing. Returns the last error.
+
+    Mirrors tried in turn: $MNIST_MIRROR (a URL prefix, for nodes that reach only an internal
+    mirror or OSS; its files are checked for format, not checksum), then torchvision's.
+    """
+    try:
+        os.makedirs(raw_folder, exist_ok=True)
+        staging = tempfile.mkdtemp(prefix='.download-', dir=raw_folder)
+    except OSError as e:
+        raise SetupError(f'cannot create {raw_folder} to download MNIST into ({e.strerror}).'
+                         + _laptop_hint(data_dir)) from None
+    mirrors = [(m.rstrip('/') + '/', False) for m in [os.environ.get('MNIST_MIRROR')] if m]
+    mirrors += [(m, True) for m in datasets.MNIST.mirrors]
+    md5s = dict(datasets.MNIST.resources)
+    error = ''
+    old_timeout = socket.getdefaulttimeout()
+    socket.setdefaulttimeout(30)  # urllib waits forever by default; a blocked node should fail
+    try:
+        for name in list(missing):
+            for mirror, check_md5 in mirrors:
+                try:
+                    download_and_extract_archive(mirror + name + '.gz', staging,
+                                                 md5=md5s[name + '.gz'] if check_md5 else None)
+                    check_idx_file(os.path.join(staging, name))
+                    os.replace(os.path.join(staging, name), os.path.join(raw_folder, name))
+                    missing.remove(name)
+                    break
+                except (URLError, OSError, RuntimeError, SetupError) as e:
+                    error = f' The last download error was: {mirror}{name}.gz: {e}.'
+            else:
+                break  # no mirror has this file: the others will not fare better
+    finally:
+        socket.setdefaulttimeout(old_timeout)
+        shutil.rmtree(staging, ignore_errors=True)
+    return error
 
 
 class TensorLoader:
@@ -207,26 +307,41 @@ class TensorLoader:
 # finished epoch left off. Every file is written whole or not at all.
 
 CHECKPOINT_KEYS = {'model', 'optimizer', 'epochs_done', 'best_val_accuracy', 'best_epoch'}
+TRAINING_FLAGS = {'lr': '--lr', 'batch_size': '--batch-size', 'seed': '--seed'}  # they change the result
 
 
 def save_atomic(obj, path):
     """torch.save to a temporary file beside path, then rename it over path.
 
-    A kill at any moment leaves either the old file or the new one, never a torn one.
+    A kill at any moment leaves either the old file or the new one, never a torn one; a failed
+    write (a full disk) leaves the old one and no temporary file, and says which file and why.
     """
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)  # in memory first: torch.save turns a write error into an obscure one
     tmp_path = path + '.tmp'
-    with open(tmp_path, 'wb') as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp_path, path)
+    try:
+        with open(tmp_path, 'wb') as f:
+            f.write(buffer.getbuffer())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp_path, path)
+    except BaseException as e:
+        with contextlib.suppress(OSError):
+            os.remove(tmp_path)
+        if not isinstance(e, OSError):
+            raise
+        raise SetupError(f'could not write {path} ({e.strerror or e}). The previous {os.path.basename(path)}, if '
+                         f'any, is left as it was; once there is room (or the folder is writable again), the '
+                         f'same command resumes from the last finished epoch.') from None
 
 
-def load_checkpoint(folder, resume=True):
-    """Check that the output folder can be written; return its checkpoint.pth to resume from, or None.
+def load_checkpoint(args):
+    """Check that --output-dir can be written; return its checkpoint.pth to resume from, or None.
 
-    Fails now, not after an epoch, on an unwritable folder; a damaged checkpoint is refused and kept.
+    Fails now, not after an epoch, on an unwritable folder; a damaged checkpoint is refused and kept,
+    and so is one trained with other hyperparameters (--lr, --batch-size, --seed) than args.
     """
+    folder = args.output_dir
     checkpoint_path = os.path.join(folder, 'checkpoint.pth')
     try:
         os.makedirs(folder, exist_ok=True)
@@ -235,7 +350,7 @@ def load_checkpoint(folder, resume=True):
     except OSError as e:
         raise SetupError(f'cannot write to the output folder {folder} ({e.strerror}); pass '
                          f'--output-dir with a folder you can write.' + _laptop_hint(folder)) from None
-    if not resume or not os.path.exists(checkpoint_path):
+    if args.no_resume or not os.path.exists(checkpoint_path):
         return None
     try:
         # weights_only: tensors and plain values are all it may hold; no arbitrary objects are built.
@@ -249,6 +364,15 @@ def load_checkpoint(folder, resume=True):
         raise SetupError(f'cannot resume from {checkpoint_path}: it is not a readable checkpoint of this '
                          f'model ({reason}). It was left as it is. To start fresh, pass --no-resume '
                          f'(the file is then overwritten) or move it away.') from None
+    # Checkpoints from before the record was kept still hold the lr, in the optimizer's state.
+    recorded = checkpoint.get('hyperparameters', {'lr': checkpoint['optimizer']['param_groups'][0]['lr']})
+    changed = [f'{flag} {recorded[name]} (now {getattr(args, name)})' for name, flag in TRAINING_FLAGS.items()
+               if name in recorded and recorded[name] != getattr(args, name)]
+    if changed:
+        raise SetupError(f'{checkpoint_path} was trained with {", ".join(changed)}; resuming would mix the two '
+                         f'settings in one run. To resume, pass the recorded values (a larger --epochs is '
+                         f'fine). To train with the new ones, start a new run: add --no-resume (the earlier '
+                         f'best_model.pth is kept as best_model.pth.previous) or pass another --output-dir.')
     return checkpoint
 
 
@@ -283,9 +407,10 @@ def resume(checkpoint, model, optimizer, best_model_path, main_process=True):
     return checkpoint['epochs_done'], checkpoint['best_val_accuracy'], checkpoint['best_epoch']
 
 
-def save_checkpoint(folder, writer, model, optimizer, epochs_done, best_val_accuracy, best_epoch):
-    """Write <folder>/checkpoint.pth at the end of an epoch, after the TensorBoard logs: they never lag it."""
+def save_checkpoint(args, writer, model, optimizer, epochs_done, best_val_accuracy, best_epoch):
+    """Write checkpoint.pth in --output-dir at the end of an epoch, after the TensorBoard logs: they never lag it."""
     writer.flush()
     save_atomic({'model': model.state_dict(), 'optimizer': optimizer.state_dict(), 'epochs_done': epochs_done,
-                 'best_val_accuracy': best_val_accuracy, 'best_epoch': best_epoch},
-                os.path.join(folder, 'checkpoint.pth'))
+                 'best_val_accuracy': best_val_accuracy, 'best_epoch': best_epoch,
+                 'hyperparameters': {name: getattr(args, name) for name in TRAINING_FLAGS}},
+                os.path.join(args.output_dir, 'checkpoint.pth'))

@@ -38,7 +38,7 @@ def parse_args():
                         help='training batch size, of each process in the distributed script (default: 64)')
     parser.add_argument('--lr', type=common.positive(float), default=0.01, help='SGD learning rate (default: 0.01)')
     parser.add_argument('--epochs', type=common.positive(int), default=20, help='number of epochs (default: 20)')
-    parser.add_argument('--data-dir', default='/mnt/data/dataSet',
+    parser.add_argument('--data-dir', default='/mnt/data/dataSet', type=common.mnist_root,
                         help='torchvision root: the files live in <data-dir>/MNIST/raw (default: /mnt/data/dataSet)')
     parser.add_argument('--output-dir', default='/mnt/data/output_distributed',
                         help='best_model.pth, checkpoint.pth and runs/ go here (default: %(default)s)')
@@ -130,6 +130,9 @@ def train(model, train_loader, optimizer, criterion, epoch, device, writer, log_
                   f"({100. * batch_idx / len(train_loader):.0f}%)]\tLoss: {loss_value:.6f}")
             if rank == 0:
                 writer.add_scalar('Loss/train', loss_value, epoch * len(train_loader) + batch_idx)
+            all_losses = loss.detach().clone()
+            dist.all_reduce(all_losses)  # nan or inf on any rank makes the sum so: every rank stops
+            common.check_finite(all_losses.item(), epoch, batch_idx)
 
 
 def validate(model, val_loader, criterion, device, writer, epoch, rank):
@@ -150,6 +153,7 @@ def validate(model, val_loader, criterion, device, writer, epoch, rank):
     val_loss, correct = val_loss.item(), correct.item()
     val_loss /= len(val_loader.dataset)  # per sample (the document's single script divides by the number of batches)
     val_accuracy = 100. * correct / len(val_loader.dataset)
+    common.check_finite(val_loss, epoch)  # a diverged model is neither reported as best nor saved
     if rank != 0:
         return val_loss, val_accuracy  # rank 0 alone reports
     print(f'Validation Loss: {val_loss:.4f}, Accuracy: {correct}/{len(val_loader.dataset)} ({val_accuracy:.0f}%)')
@@ -167,7 +171,7 @@ def main(args):
 
     # Restarts: checked before any data is read; an earlier run's checkpoint.pth is picked up
     best_model_path = os.path.join(args.output_dir, 'best_model.pth')
-    checkpoint = on_ranks(rank == 0, common.load_checkpoint, args.output_dir, not args.no_resume)
+    checkpoint = on_ranks(rank == 0, common.load_checkpoint, args)
     if common.training_complete(checkpoint, num_epochs, best_model_path, main_process=rank == 0):
         return
 
@@ -211,7 +215,7 @@ def main(args):
             best_epoch = epoch
             common.save_atomic(model.module.state_dict(), best_model_path)  # no 'module.' in the keys
             print(f'Model saved with accuracy: {best_val_accuracy:.2f}%')
-        common.save_checkpoint(args.output_dir, writer, model.module, optimizer, epoch + 1, best_val_accuracy, best_epoch)
+        common.save_checkpoint(args, writer, model.module, optimizer, epoch + 1, best_val_accuracy, best_epoch)
         epoch_time = time.perf_counter() - epoch_start
         print(f'Epoch {epoch} done in {epoch_time:.2f}s ({len(train_loader.dataset) / epoch_time:.0f} samples/s)')
     if rank != 0:
@@ -225,12 +229,16 @@ if __name__ == '__main__':
     # Whole lines, each as soon as it is printed: DLC's log view is live and ranks share one stream.
     sys.stdout.reconfigure(line_buffering=True, write_through=False)
     args = parse_args()
+    common.stop_on_signals()  # Ctrl-C and SIGTERM end the run with one line, as errors do
     try:
         main(args)
-    except common.SetupError as e:
+    except (common.SetupError, common.Interrupted) as e:
         if args.debug:
             raise
-        sys.exit(f'error: {e}')
+        code = common.exit_on(e, args, main_process=int(os.environ.get('RANK', 0)) == 0)
+        if isinstance(e, common.Interrupted):
+            os._exit(code)  # no teardown: other ranks may have stopped in the middle of a collective
+        sys.exit(code)
     finally:
         if dist.is_initialized():
             # Before torch 2.8, Gloo's teardown holds the GIL while its threads may still need it to

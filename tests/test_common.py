@@ -1,4 +1,5 @@
 """Unit tests of common.py: the model, the data tensors and loaders, and saving."""
+import argparse
 import os
 import shutil
 
@@ -174,12 +175,11 @@ def test_load_checkpoint_refuses_another_model_and_keeps_the_file(tmp_path):
     torch.save(checkpoint, path)
     before = open(path, 'rb').read()
     with pytest.raises(common.SetupError, match='--no-resume'):
-        common.load_checkpoint(str(tmp_path))
+        common.load_checkpoint(argparse.Namespace(output_dir=str(tmp_path), no_resume=False))
     assert open(path, 'rb').read() == before
 
 
 def test_positive_rejects_zero_negative_and_text():
-    import argparse
     parse = common.positive(int)
     assert parse('3') == 3
     for text in ('0', '-1', 'x', '1.5'):

@@ -1,0 +1,265 @@
+"""The mistakes users really make end with the right result or one clear paragraph, never a lost result:
+changed hyperparameters on resume, divergence, Ctrl-C and SIGTERM, a full disk, hand-made data folders,
+a device that is not there. Both scripts, run as users run them."""
+import gzip
+import re
+import signal
+import sys
+
+import pytest
+import torch
+
+from conftest import ROOT, dist_cmd, free_port, make_mnist, run, script_env, start, torchrun, train_cmd
+
+FAST = ('--lr', '0.1', '--batch-size', '16', '--log-interval', '10')
+OFFLINE = dict(http_proxy='http://127.0.0.1:9', https_proxy='http://127.0.0.1:9', no_proxy='')
+SCRIPTS = pytest.mark.parametrize('script', [train_cmd, dist_cmd], ids=['single', 'distributed'])
+
+
+def files(folder):
+    """{name: bytes} of the files directly in folder."""
+    return {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()}
+
+
+def one_paragraph_error(result, code=1):
+    returncode, stdout, stderr = result
+    assert returncode == code, f'exit {returncode}\n{stdout}\n{stderr}'
+    assert 'Traceback' not in stderr, stderr
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1, stderr
+    return lines[0]
+
+
+# --- 1. Changed hyperparameters on resume ---------------------------------------------------------
+
+@SCRIPTS
+def test_a_changed_learning_rate_or_batch_size_stops_before_any_work(script, mnist_dir, tmp_path):
+    out = tmp_path / 'out'
+    run(script('--data-dir', mnist_dir, '--output-dir', out, '--epochs', '1', *FAST))
+    before = files(out)
+    # The document's advice: look at the curves, then train again with more epochs and another lr.
+    message = one_paragraph_error(run(script('--data-dir', mnist_dir, '--output-dir', out, '--epochs', '3',
+                                             '--lr', '0.05', '--batch-size', '32', '--log-interval', '10'),
+                                      check=False))
+    assert f'{out}/checkpoint.pth was trained with --lr 0.1 (now 0.05), --batch-size 16 (now 32)' in message
+    assert '--no-resume' in message and '--output-dir' in message and 'pass the recorded values' in message
+    assert files(out) == before
+
+    # The two ways on: the recorded values resume (flags that do not change the result may differ) ...
+    _, stdout, _ = run(script('--data-dir', mnist_dir, '--output-dir', out, '--epochs', '2', *FAST,
+                              '--log-interval', '7', '--val-batch-size', '50'))
+    assert 'Resuming from epoch 1 ' in stdout and 'Epoch 1 done' in stdout
+    # ... and --no-resume starts a new run with the new values.
+    _, stdout, _ = run(script('--data-dir', mnist_dir, '--output-dir', out, '--epochs', '1', '--lr', '0.05',
+                              '--no-resume', '--log-interval', '10'))
+    assert 'Resuming' not in stdout and 'Epoch 0 done' in stdout
+    assert torch.load(out / 'checkpoint.pth', weights_only=True)['hyperparameters'] == \
+        {'lr': 0.05, 'batch_size': 64, 'seed': 0}
+
+
+def test_a_changed_seed_stops_and_a_checkpoint_from_before_the_record_still_resumes(mnist_dir, tmp_path):
+    out = tmp_path / 'out'
+    run(train_cmd('--data-dir', mnist_dir, '--output-dir', out, '--epochs', '1', *FAST))
+    message = one_paragraph_error(run(train_cmd('--data-dir', mnist_dir, '--output-dir', out, '--epochs', '2',
+                                                '--seed', '1', *FAST), check=False))
+    assert 'was trained with --seed 0 (now 1)' in message
+    # A checkpoint written before the hyperparameters were recorded: its optimizer state still holds
+    # the lr, so a changed --lr is caught; the same flags resume as they always did.
+    checkpoint = torch.load(out / 'checkpoint.pth', weights_only=True)
+    del checkpoint['hyperparameters']
+    torch.save(checkpoint, out / 'checkpoint.pth')
+    message = one_paragraph_error(run(train_cmd('--data-dir', mnist_dir, '--output-dir', out, '--epochs', '2',
+                                                *FAST, '--lr', '0.05'), check=False))
+    assert 'was trained with --lr 0.1 (now 0.05)' in message
+    _, stdout, _ = run(train_cmd('--data-dir', mnist_dir, '--output-dir', out, '--epochs', '2', *FAST))
+    assert stdout.startswith('Resuming from epoch 1 ') and 'Epoch 1 done' in stdout
+
+
+# --- 2. Divergence ----------------------------------------------------------------------------------
+
+def test_divergence_stops_at_once_and_keeps_the_last_good_epoch(mnist_dir, tmp_path):
+    out = tmp_path / 'out'
+    run(train_cmd('--data-dir', mnist_dir, '--output-dir', out, '--epochs', '1', *FAST))
+    # A run whose first epoch went well at a learning rate that diverges in its second: edited into
+    # the checkpoint, since no learning rate does both reliably on the tiny data.
+    checkpoint = torch.load(out / 'checkpoint.pth', weights_only=True)
+    checkpoint['hyperparameters']['lr'] = checkpoint['optimizer']['param_groups'][0]['lr'] = 1e6
+    torch.save(checkpoint, out / 'checkpoint.pth')
+    before = files(out)
+    result = run(train_cmd('--data-dir', mnist_dir, '--output-dir', out, '--epochs', '5', '--lr', '1e6',
+                           '--batch-size', '16', '--log-interval', '10'), check=False)
+    message = one_paragraph_error(result)
+    assert re.search(r'training diverged: the loss became (nan|inf) at epoch 1, batch \d+\. ', message), message
+    assert 'smaller --lr' in message
+    assert 'Epoch 1 done' not in result[1] and 'Model saved' not in result[1]
+    assert files(out) == before, 'checkpoint.pth and best_model.pth keep epoch 0'
+
+
+@pytest.mark.parametrize('launch', ['single', 'torchrun'])
+def test_divergence_in_the_first_epoch_saves_nothing(launch, mnist_dir, tmp_path):
+    out = tmp_path / 'out'
+    args = ('--data-dir', mnist_dir, '--output-dir', out, '--epochs', '3', '--lr', '1e6', '--batch-size', '16',
+            '--log-interval', '10')
+    if launch == 'single':
+        message = one_paragraph_error(run(train_cmd(*args), check=False))
+        assert re.search(r'the loss became (nan|inf) at epoch 0, batch \d+', message)
+    else:
+        returncode, stdout, stderr = run(torchrun('--standalone', '--nproc_per_node=2', ROOT / 'mnist_train_distributed.py',
+                                                  *args), check=False)
+        assert returncode != 0
+        # Every rank stops on its own, with the message, rather than waiting for the other one.
+        assert len(re.findall(r'^error: training diverged: the loss became (nan|inf) at epoch 0, batch \d+',
+                              stderr, re.M)) == 2, stderr
+    assert sorted(p.name for p in out.iterdir()) == ['runs'], 'no best_model.pth, no checkpoint.pth'
+
+
+# --- 3. Ctrl-C and SIGTERM --------------------------------------------------------------------------
+
+@pytest.mark.parametrize('signum, code, name', [(signal.SIGINT, 130, 'Ctrl-C'), (signal.SIGTERM, 143, 'SIGTERM')])
+def test_an_interrupt_ends_with_one_line_and_the_rerun_resumes(signum, code, name, mnist_big_dir, tmp_path):
+    out = tmp_path / 'out'
+    args = ('--data-dir', mnist_big_dir, '--output-dir', out, '--epochs', '3', '--log-interval', '20')
+    proc, reader = start(train_cmd(*args))
+    reader.wait_for(lambda line: line.startswith('Train Epoch: 1 [1280/'))
+    proc.send_signal(signum)
+    output = reader.rest(timeout=60)
+    assert proc.returncode == code, output
+    assert 'Traceback' not in output
+    assert output.rstrip().endswith(f'Stopped by {name}, after 1 finished epochs: the same command resumes '
+                                    f'from epoch 1.'), output
+    assert sorted(p.name for p in out.iterdir()) == ['best_model.pth', 'checkpoint.pth', 'runs'], 'no .tmp left'
+    _, stdout, _ = run(train_cmd(*args))
+    assert stdout.startswith('Resuming from epoch 1 ') and re.findall(r'^Epoch (\d) done', stdout, re.M) == ['1', '2']
+
+
+def test_sigterm_to_torchrun_stops_every_rank_and_the_rerun_resumes(mnist_big_dir, tmp_path):
+    out = tmp_path / 'out'
+    args = ('--data-dir', mnist_big_dir, '--output-dir', out, '--epochs', '3', '--log-interval', '20')
+    launch = ('--nnodes=1', '--node_rank=0', '--master_addr=127.0.0.1', '--nproc_per_node=2')
+    proc, reader = start(torchrun(*launch, f'--master_port={free_port()}', ROOT / 'mnist_train_distributed.py', *args))
+    reader.wait_for(lambda line: line.startswith('Rank: 0, Local_Rank: 0 -- Train Epoch: 1 [2560/'))
+    proc.send_signal(signal.SIGTERM)  # what DLC and Kubernetes do to stop a job
+    output = reader.rest(timeout=90)
+    assert proc.returncode != 0
+    assert output.count('Stopped by SIGTERM, after 1 finished epochs: the same command resumes from epoch 1.') == 1
+    assert not re.search(r'^\s*File ".*mnist_train_distributed.py"', output, re.M), 'no traceback of ours'
+    assert sorted(p.name for p in out.iterdir()) == ['best_model.pth', 'checkpoint.pth', 'runs']
+    _, stdout, _ = run(torchrun(*launch, f'--master_port={free_port()}', ROOT / 'mnist_train_distributed.py', *args))
+    assert 'Resuming from epoch 1 ' in stdout and re.findall(r'^Epoch (\d) done', stdout, re.M) == ['1', '2']
+
+
+# --- 4. A full disk ---------------------------------------------------------------------------------
+
+FULL_DISK = '''
+import errno, os, runpy, sys
+calls, real_fsync = [0], os.fsync
+def fsync(fd):  # the disk fills up at the third file the script saves
+    calls[0] += 1
+    if calls[0] >= 3:
+        raise OSError(errno.ENOSPC, 'No space left on device')
+    return real_fsync(fd)
+os.fsync = fsync
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name='__main__')
+'''
+
+
+@SCRIPTS
+def test_a_full_disk_names_the_file_keeps_the_previous_ones_and_the_rerun_resumes(script, mnist_dir, tmp_path):
+    out = tmp_path / 'out'
+    args = script('--data-dir', mnist_dir, '--output-dir', out, '--epochs', '3', *FAST)
+    message = one_paragraph_error(run([sys.executable, '-c', FULL_DISK, *map(str, args[1:])], check=False))
+    # Epoch 0 saved best_model.pth and checkpoint.pth; the first save of epoch 1 found the disk full.
+    assert re.search(rf'error: could not write {out}/(best_model|checkpoint)\.pth \(No space left on device\)\. '
+                     r'The previous (best_model|checkpoint)\.pth, if any, is left as it was', message), message
+    assert sorted(p.name for p in out.iterdir()) == ['best_model.pth', 'checkpoint.pth', 'runs'], 'no .tmp left'
+    assert torch.load(out / 'checkpoint.pth', weights_only=True)['epochs_done'] == 1
+    torch.load(out / 'best_model.pth', weights_only=True)
+    _, stdout, _ = run(args)  # space freed: the same command
+    assert 'Resuming from epoch 1 ' in stdout and 'Epoch 2 done' in stdout
+
+
+# --- 5. The data users really have ------------------------------------------------------------------
+
+@SCRIPTS
+def test_the_gz_files_alone_are_used_offline(script, tmp_path):
+    root = make_mnist(tmp_path / 'data', 64, 32)
+    raw = root / 'MNIST' / 'raw'
+    originals = {}
+    for path in list(raw.iterdir()):
+        originals[path.name] = path.read_bytes()
+        (raw / (path.name + '.gz')).write_bytes(gzip.compress(originals[path.name]))
+        path.unlink()
+    _, stdout, _ = run(script('--data-dir', root, '--output-dir', tmp_path / 'out', '--epochs', '1', *FAST),
+                       env=script_env(**OFFLINE))
+    assert 'Epoch 0 done' in stdout
+    assert {name: (raw / name).read_bytes() for name in originals} == originals
+    assert sorted(p.name for p in raw.iterdir()) == sorted(list(originals) + [n + '.gz' for n in originals])
+
+
+def test_a_broken_gz_file_is_named(tmp_path):
+    root = make_mnist(tmp_path / 'data', 64, 32)
+    labels = root / 'MNIST' / 'raw' / 't10k-labels-idx1-ubyte'
+    (labels.parent / (labels.name + '.gz')).write_bytes(gzip.compress(labels.read_bytes())[:30])
+    labels.unlink()
+    message = one_paragraph_error(run(train_cmd('--data-dir', root, '--output-dir', tmp_path / 'out'),
+                                      env=script_env(**OFFLINE), check=False))
+    assert f'MNIST is not in {root}/MNIST/raw and could not be downloaded (missing: t10k-labels-idx1-ubyte)' in message
+    assert f'{labels}.gz could not be used' in message
+    assert sorted(p.name for p in labels.parent.iterdir() if p.name.startswith('t10k-labels')) == \
+        ['t10k-labels-idx1-ubyte.gz'], 'no partial file left'
+
+
+@pytest.mark.parametrize('inner', ['MNIST', 'MNIST/raw'])
+def test_data_dir_may_name_the_mnist_folder_itself(inner, mnist_dir, tmp_path):
+    _, stdout, _ = run(train_cmd('--data-dir', mnist_dir / inner, '--output-dir', tmp_path / 'out', '--epochs', '1',
+                                 *FAST), env=script_env(**OFFLINE))
+    assert f'--data-dir {mnist_dir / inner} is the {inner} folder itself; reading the data from {mnist_dir}/MNIST/raw' \
+        in stdout
+    assert 'Epoch 0 done' in stdout
+
+
+# --- 6. Devices -------------------------------------------------------------------------------------
+
+def test_a_device_that_is_not_there_gets_a_clear_message(tmp_path):
+    if torch.backends.mps.is_available():
+        pytest.skip('this machine has MPS')
+    message = one_paragraph_error(run(train_cmd('--device', 'mps', '--output-dir', tmp_path), check=False))
+    assert message.startswith('error: --device mps is not available on this machine (MPS needs a Mac')
+    _, _, stderr = run(dist_cmd('--device', 'mps', '--output-dir', tmp_path), check=False)
+    assert "argument --device: invalid choice: 'mps'" in stderr
+
+
+def test_training_and_validation_use_no_float64(mnist_dir):
+    """MPS has no float64: nothing on the training or validation path may create it."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torchvision import datasets
+    import common
+    import mnist_train
+
+    class Dtypes(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in (out if isinstance(out, (tuple, list)) else [out]):
+                if isinstance(t, torch.Tensor):
+                    self.seen.add(t.dtype)
+            return out
+
+    class Writer:
+        def add_scalar(self, *args):
+            pass
+
+    model = common.SimpleCNN()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with Dtypes() as mode:
+        train_dataset = datasets.MNIST(root=mnist_dir, train=True, transform=mnist_train.transform)
+        val_dataset = datasets.MNIST(root=mnist_dir, train=False, transform=mnist_train.transform)
+        train_loader = common.TensorLoader(train_dataset, batch_size=64, shuffle=True)
+        val_loader = common.TensorLoader(val_dataset, batch_size=64)
+        mnist_train.train(model, train_loader, optimizer, torch.nn.CrossEntropyLoss(), 0, 'cpu', Writer(), 5)
+        mnist_train.validate(model, val_loader, torch.nn.CrossEntropyLoss(), 'cpu', Writer(), 0)
+    assert torch.float32 in mode.seen and torch.float64 not in mode.seen, mode.seen

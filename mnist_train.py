@@ -1,10 +1,13 @@
 """Train the quick-start's CNN on MNIST in one process (PAI-DLC quick start, part 3).
 
-On DLC:   python /mnt/data/mnist_train.py          (upload common.py beside it)
-Locally:  python mnist_train.py --data-dir ./data --output-dir ./output
+Start command on DLC (upload common.py beside this script):
+  python /mnt/data/mnist_train.py
+On your own machine:
+  python mnist_train.py --data-dir ./data --output-dir ./output
 
-Writes <output-dir>/best_model.pth (the best model's state_dict), <output-dir>/checkpoint.pth
-(to resume after a restart) and TensorBoard logs under <output-dir>/runs/mnist_experiment.
+Writes to --output-dir: best_model.pth (the best model's state_dict), checkpoint.pth (the same
+command resumes from it) and TensorBoard logs in runs/mnist_experiment. --epochs is a total:
+epochs done before a restart count.
 """
 import argparse
 import os
@@ -17,7 +20,13 @@ import torch.optim as optim
 from torchvision import datasets, transforms
 from torch.utils.tensorboard import SummaryWriter
 
-import common
+try:
+    import common
+except ModuleNotFoundError as e:  # the script uploaded alone
+    if e.name != 'common':
+        raise
+    sys.exit(f'error: common.py is missing: upload it beside {os.path.abspath(__file__)} (on DLC, to the same '
+             f'folder of the dataset as the script).')
 
 # Data preprocessing, as in the document
 transform = transforms.Compose([
@@ -27,12 +36,13 @@ transform = transforms.Compose([
 
 
 def parse_args():
-    parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     # Hyperparameters: the document's values are the defaults.
     parser.add_argument('--batch-size', type=common.positive(int), default=64,
                         help='training batch size, of each process in the distributed script (default: 64)')
     parser.add_argument('--lr', type=common.positive(float), default=0.01, help='SGD learning rate (default: 0.01)')
-    parser.add_argument('--epochs', type=common.positive(int), default=20, help='number of epochs (default: 20)')
+    parser.add_argument('--epochs', type=common.positive(int), default=20,
+                        help='total epochs, counting those done before a restart (default: 20)')
     parser.add_argument('--data-dir', default='/mnt/data/dataSet', type=common.mnist_root,
                         help='torchvision root: the files live in <data-dir>/MNIST/raw (default: /mnt/data/dataSet)')
     parser.add_argument('--output-dir', default='/mnt/data/output',
@@ -43,8 +53,8 @@ def parse_args():
                         help='validation batch size; does not change the results (default: 1000)')
     parser.add_argument('--seed', type=int, default=0, help='seed for the initial weights and the data order (default: 0)')
     parser.add_argument('--device', default='cuda' if torch.cuda.is_available() else 'cpu',
-                        help='cpu, cuda or cuda:N; the distributed script takes cpu or cuda, which is GPU '
-                             'LOCAL_RANK (default: cuda if available, else cpu)')
+                        help='cpu, cuda, and in the single script also cuda:N or mps; in the distributed script '
+                             'cuda means GPU LOCAL_RANK (default: cuda if available, else cpu)')
     parser.add_argument('--no-resume', action='store_true',
                         help='ignore <output-dir>/checkpoint.pth and start from epoch 0 (default: resume)')
     parser.add_argument('--debug', action='store_true', help='show tracebacks for set-up errors (default: off)')

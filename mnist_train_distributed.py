@@ -1,15 +1,19 @@
 """Train the quick-start's CNN on MNIST with DistributedDataParallel (PAI-DLC quick start, part 4).
 
-On DLC (one process per GPU; DLC sets WORLD_SIZE, RANK, MASTER_ADDR and MASTER_PORT per node):
+Start command on DLC (upload common.py beside this script; DLC sets WORLD_SIZE, RANK, MASTER_ADDR and
+MASTER_PORT, and NPROC_PER_NODE for nodes with several GPUs):
   torchrun --nproc_per_node=1 --nnodes=${WORLD_SIZE} --node_rank=${RANK} \\
       --master_addr=${MASTER_ADDR} --master_port=${MASTER_PORT} /mnt/data/mnist_train_distributed.py
-Locally:  torchrun --standalone --nproc_per_node=2 mnist_train_distributed.py --data-dir ./data --output-dir ./output
+On your own machine (2 CPU processes):
+  torchrun --standalone --nproc_per_node=2 mnist_train_distributed.py --data-dir ./data --output-dir ./output
 
-Only global rank 0 writes: <output-dir>/best_model.pth (a state_dict with the single script's
-keys), <output-dir>/checkpoint.pth and TensorBoard logs under <output-dir>/runs/mnist_experiment.
+Global rank 0 writes to --output-dir: best_model.pth (the best model's state_dict, keys as in the
+single script), checkpoint.pth (the same command resumes from it) and TensorBoard logs in
+runs/mnist_experiment. --epochs is a total: epochs done before a restart count.
 """
 import argparse
 import os
+import socket
 import sys
 import time
 from datetime import timedelta
@@ -22,7 +26,13 @@ from torch.utils.data.distributed import DistributedSampler
 from torchvision import datasets, transforms
 from torch.utils.tensorboard import SummaryWriter
 
-import common
+try:
+    import common
+except ModuleNotFoundError as e:  # the script uploaded alone
+    if e.name != 'common':
+        raise
+    sys.exit(f'error: common.py is missing: upload it beside {os.path.abspath(__file__)} (on DLC, to the same '
+             f'folder of the dataset as the script).')
 
 # Data preprocessing, as in the document
 transform = transforms.Compose([
@@ -32,12 +42,13 @@ transform = transforms.Compose([
 
 
 def parse_args():
-    parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     # Hyperparameters: the document's values are the defaults.
     parser.add_argument('--batch-size', type=common.positive(int), default=64,
                         help='training batch size, of each process in the distributed script (default: 64)')
     parser.add_argument('--lr', type=common.positive(float), default=0.01, help='SGD learning rate (default: 0.01)')
-    parser.add_argument('--epochs', type=common.positive(int), default=20, help='number of epochs (default: 20)')
+    parser.add_argument('--epochs', type=common.positive(int), default=20,
+                        help='total epochs, counting those done before a restart (default: 20)')
     parser.add_argument('--data-dir', default='/mnt/data/dataSet', type=common.mnist_root,
                         help='torchvision root: the files live in <data-dir>/MNIST/raw (default: /mnt/data/dataSet)')
     parser.add_argument('--output-dir', default='/mnt/data/output_distributed',
@@ -47,53 +58,116 @@ def parse_args():
     parser.add_argument('--val-batch-size', type=common.positive(int), default=1000,
                         help='validation batch size; does not change the results (default: 1000)')
     parser.add_argument('--seed', type=int, default=0, help='seed for the initial weights and the data order (default: 0)')
-    parser.add_argument('--device', choices=['cpu', 'cuda'], default='cuda' if torch.cuda.is_available() else 'cpu',
-                        help='cpu, cuda or cuda:N; the distributed script takes cpu or cuda, which is GPU '
-                             'LOCAL_RANK (default: cuda if available, else cpu)')
+    parser.add_argument('--device', default='cuda' if torch.cuda.is_available() else 'cpu',
+                        help='cpu, cuda, and in the single script also cuda:N or mps; in the distributed script '
+                             'cuda means GPU LOCAL_RANK (default: cuda if available, else cpu)')
     parser.add_argument('--backend', choices=['nccl', 'gloo'],
                         help='process-group backend (default: nccl on cuda, gloo on cpu)')
+    parser.add_argument('--join-timeout', type=common.positive(float), default=1800,
+                        help='seconds to wait for every process of the job to start and connect (default: 1800)')
     parser.add_argument('--no-resume', action='store_true',
                         help='ignore <output-dir>/checkpoint.pth and start from epoch 0 (default: resume)')
     parser.add_argument('--debug', action='store_true', help='show tracebacks for set-up errors (default: off)')
     return parser.parse_args()
 
 
-def ddp_setup(device_name, backend):
-    """Join the job that torchrun started (alone: a world of one); return rank, world_size, local_rank, device."""
-    env_names = ('RANK', 'WORLD_SIZE', 'LOCAL_RANK', 'MASTER_ADDR', 'MASTER_PORT')
-    missing = [name for name in env_names if name not in os.environ]
-    standalone = not any(name in os.environ for name in env_names[:3])
-    if standalone:
-        print('Not started by torchrun (no RANK, WORLD_SIZE, LOCAL_RANK): running as a world of one process.')
-    elif missing:
-        raise common.SetupError(f'the distributed environment is half set: {", ".join(missing)} missing while '
-                                f'{", ".join(n for n in env_names if n not in missing)} are set. Start the script with '
-                                f'torchrun, which sets them all (on DLC: the README\'s torchrun line).')
-    rank = int(os.environ.get("RANK", 0))
-    world_size = int(os.environ.get("WORLD_SIZE", 1))
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    backend = backend or ('nccl' if device_name == 'cuda' else 'gloo')
-    if backend == 'nccl' and not (device_name == 'cuda' and torch.cuda.is_available()):
+def ddp_setup(args):
+    """Join the job (alone, a world of one); return rank, world_size, local_rank, device."""
+    if args.device not in ('cpu', 'cuda'):
+        raise common.SetupError(f'--device {args.device}: the distributed script trains on cpu, or on cuda, where '
+                                f'each process takes GPU LOCAL_RANK (CUDA_VISIBLE_DEVICES chooses which GPUs).')
+    rank, world_size, local_rank, launched = read_environment()
+    backend = args.backend or ('nccl' if args.device == 'cuda' else 'gloo')
+    if backend == 'nccl' and not (args.device == 'cuda' and torch.cuda.is_available()):
         raise common.SetupError('backend nccl needs CUDA, which is not available here or not chosen: '
                                 'pass --device cuda on GPU nodes, or --backend gloo.')
-    if device_name == 'cuda':
+    if args.device == 'cuda':
         common.check_device(f'cuda:{local_rank}')  # one GPU per process: at most as many processes as GPUs
         torch.cuda.set_device(local_rank)  # before the process group, so NCCL binds this GPU
         device = torch.device('cuda', local_rank)
     else:
         device = torch.device('cpu')
-    if standalone:  # an in-memory store instead of a master address
-        store = dist.HashStore()
-    else:
-        # torchrun's store at MASTER_ADDR:MASTER_PORT, its keys kept apart per restart attempt: torch
-        # 2.14's torchrun keeps one store across --max-restarts, and a restarted rank would find stale keys.
-        agent_store = os.environ.get('TORCHELASTIC_USE_AGENT_STORE') == 'True'
-        store = dist.TCPStore(os.environ['MASTER_ADDR'], int(os.environ['MASTER_PORT']), world_size,
-                              is_master=rank == 0 and not agent_store, timeout=timedelta(minutes=30))
-        store = dist.PrefixStore(f'attempt_{os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")}', store)
+    store = join(rank, world_size, device, args.join_timeout) if launched else dist.HashStore()
     dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size)
     print(f'Rank {rank}/{world_size} (local rank {local_rank}, pid {os.getpid()}) on {device} with {backend}')
     return rank, world_size, local_rank, device
+
+
+def read_environment():
+    """RANK, WORLD_SIZE and LOCAL_RANK as torchrun sets them, or as plain launchers do (no LOCAL_RANK)."""
+    env_names = ('RANK', 'WORLD_SIZE', 'LOCAL_RANK', 'MASTER_ADDR', 'MASTER_PORT')
+    missing = [name for name in env_names if name not in os.environ]
+    if 'RANK' not in os.environ and int(os.environ.get('SLURM_NTASKS') or 1) > 1:
+        raise common.SetupError(
+            f'started by SLURM as {os.environ["SLURM_NTASKS"]} tasks without torchrun: each would train alone, and '
+            f'all would write one output folder. Start one torchrun per node inside srun instead: srun '
+            f'--ntasks-per-node=1 torchrun --nnodes=$SLURM_NNODES --nproc_per_node=<GPUs per node> '
+            f'--rdzv_backend=c10d --rdzv_endpoint=<first node>:29500 mnist_train_distributed.py')
+    if len(missing) == len(env_names):
+        print('Not started by torchrun (no RANK, WORLD_SIZE, LOCAL_RANK): running as a world of one process.')
+        return 0, 1, 0, False
+    if missing == ['LOCAL_RANK']:  # Kubeflow's PyTorchJob, or DLC's python start command: one process per node
+        print('LOCAL_RANK is not set (started with python, not torchrun): one process on this node, LOCAL_RANK 0.')
+        os.environ['LOCAL_RANK'] = '0'
+    elif missing:
+        raise common.SetupError(f'the distributed environment is half set: {", ".join(missing)} missing while '
+                                f'{", ".join(n for n in env_names if n not in missing)} are set. Start the script with '
+                                f'torchrun, which sets them all (on DLC: the README\'s torchrun line).')
+    rank = int(os.environ["RANK"])
+    world_size = int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ["LOCAL_RANK"])
+    return rank, world_size, local_rank, True
+
+
+def join(rank, world_size, device, timeout):
+    """Meet the other ranks at MASTER_ADDR:MASTER_PORT, saying so, and check one GPU per process; return the store."""
+    address = f'{os.environ["MASTER_ADDR"]}:{os.environ["MASTER_PORT"]}'
+    print(f'Joining the job at {address} as rank {rank} of {world_size} (waiting up to {timeout:.0f}s for all ranks)')
+    try:
+        # torchrun's agent hosts the store where it says so; otherwise rank 0 does, at MASTER_ADDR:MASTER_PORT.
+        is_master = rank == 0 and os.environ.get('TORCHELASTIC_USE_AGENT_STORE') != 'True'
+        store = dist.TCPStore(os.environ['MASTER_ADDR'], int(os.environ['MASTER_PORT']), world_size,
+                              is_master=is_master, timeout=timedelta(seconds=timeout), wait_for_workers=False)
+    except RuntimeError as e:
+        raise common.SetupError(f'rank {rank} could not reach the job at {address} within {timeout:.0f}s '
+                                f'({str(e).splitlines()[0][:200]}). Check that MASTER_ADDR and MASTER_PORT name '
+                                f'rank 0\'s node and that its job started; --join-timeout sets the wait.') from None
+    # Keys kept apart per restart attempt: torch 2.14's torchrun keeps one store across --max-restarts,
+    # where a restarted rank would otherwise find the dead attempt's keys.
+    store = dist.PrefixStore(f'attempt_{os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")}', store)
+    gpu = 'cpu'
+    if device.type == 'cuda':  # torch 2.3 has no uuid: then the GPU's place among the visible ones
+        gpu = str(getattr(torch.cuda.get_device_properties(device), 'uuid', '') or
+                  f'{device} of CUDA_VISIBLE_DEVICES={os.environ.get("CUDA_VISIBLE_DEVICES", "all")}')
+    store.set(f'joined/{rank}', f'{socket.gethostname()} {gpu}')
+    keys = [f'joined/{r}' for r in range(world_size)]
+    try:
+        store.wait(keys, timedelta(seconds=timeout))
+    except RuntimeError:
+        absent = [r for r in range(world_size) if not store.check([keys[r]])]
+        raise common.SetupError(f'rank{"s" if len(absent) > 1 else ""} {", ".join(map(str, absent))} of {world_size} '
+                                f'did not join the job at {address} within {timeout:.0f}s. Check that every node '
+                                f'started with the same MASTER_ADDR, MASTER_PORT and WORLD_SIZE; --join-timeout '
+                                f'sets the wait.') from None
+    store.set_timeout(timedelta(minutes=30))  # from here on, waits are for work (a download), not for ranks
+    if device.type == 'cuda':
+        message = shared_gpus([store.get(key).decode() for key in keys])
+        if message:
+            raise common.SetupError(message)
+    return store
+
+
+def shared_gpus(placements):
+    """Given each rank's 'host gpu', say which ranks share a GPU (None if none do): one process per GPU."""
+    ranks_on = {}
+    for rank, placement in enumerate(placements):
+        ranks_on.setdefault(placement, []).append(rank)
+    shared = [(placement.split()[0], ranks) for placement, ranks in ranks_on.items() if len(ranks) > 1]
+    if not shared:
+        return None
+    where = '; '.join(f'ranks {", ".join(map(str, ranks))} on one GPU of {host}' for host, ranks in shared)
+    return (f'two processes landed on the same GPU ({where}). Start one process per GPU: --nproc_per_node at '
+            f'most the GPUs of each node, and each node of the job on a host of its own.')
 
 
 def on_ranks(selected, fn, *args):
@@ -167,7 +241,7 @@ def main(args):
     batch_size, learning_rate, num_epochs = args.batch_size, args.lr, args.epochs
 
     # Device: the GPU if there is one (in the distributed script, this process's own)
-    rank, world_size, local_rank, device = ddp_setup(args.device, args.backend)
+    rank, world_size, local_rank, device = ddp_setup(args)
 
     # Restarts: checked before any data is read; an earlier run's checkpoint.pth is picked up
     best_model_path = os.path.join(args.output_dir, 'best_model.pth')

@@ -3,7 +3,9 @@
 #
 #   ./run_local.sh [SCRIPT FLAGS]      train with mnist_train.py, then a torchrun job of
 #                                      mnist_train_distributed.py (2 CPU processes, or one per GPU);
-#                                      defaults: --epochs 3 --data-dir ./data, outputs in ./output
+#                                      defaults: --epochs 3 --data-dir ./data, outputs in ./output;
+#                                      --backend and --join-timeout go to the distributed one only;
+#                                      --output-dir DIR: DIR/single and DIR/distributed
 #   ./run_local.sh test [PYTEST ARGS]  the test suite, newest torch (.venv)
 #   ./run_local.sh test-pai [...]      the test suite on the PAI image's torch 2.3.1 (.venv-pai)
 #   ./run_local.sh bench [FLAGS]       document pipeline vs ours (tests/benchmark.py --help)
@@ -11,7 +13,8 @@
 #
 # Examples: ./run_local.sh --epochs 1 --data-dir ../shared/data/mnist
 #           ./run_local.sh bench --data-dir ../shared/data/mnist
-# PYTHON picks the interpreter that makes the environments (default: python3).
+# PYTHON picks the interpreter that makes the environments (default: python3); VENV, the environment
+# that runs the scripts (default: .venv).
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -33,12 +36,12 @@ case "${1:-run}" in
 test)
     shift
     venv .venv -r requirements-test.txt
-    exec "$PY" -m pytest -q tests "$@"
+    exec "$PY" -m pytest -q -n auto tests "$@"
     ;;
 test-pai)
     shift
     venv .venv-pai -r requirements-test.txt -c constraints-pai.txt
-    exec "$PY" -m pytest -q tests "$@"
+    exec "$PY" -m pytest -q -n auto tests "$@"
     ;;
 bench)
     shift
@@ -59,21 +62,35 @@ gpu-check)
     ;;
 run | -*)
     [ "${1:-}" = run ] && shift
-    venv .venv -r requirements.txt
+    # Flags that only the distributed script takes go to it alone, the others to both; each script
+    # writes to a folder of its own under --output-dir.
+    shared=() distributed_only=() out=./output
+    while [ $# -gt 0 ]; do
+        case "$1" in
+        --backend=* | --join-timeout=*) distributed_only+=("$1") ;;
+        --backend | --join-timeout) distributed_only+=("$1" "${2:-}"); shift ;;
+        --output-dir=*) out=${1#--output-dir=} ;;
+        --output-dir) out=${2:-}; shift ;;
+        *) shared+=("$1") ;;
+        esac
+        shift
+    done
+    venv "${VENV:-.venv}" -r requirements.txt
     gpus=$(gpu_count)
     nproc=$([ "$gpus" -gt 0 ] && echo "$gpus" || echo 2)
     defaults=(--epochs 3 --data-dir ./data)
     echo "== mnist_train.py"
-    "$PY" mnist_train.py "${defaults[@]}" --output-dir ./output/single "$@"
+    "$PY" mnist_train.py "${defaults[@]}" --output-dir "$out/single" ${shared[@]+"${shared[@]}"}
     echo "== torchrun --nproc_per_node=$nproc mnist_train_distributed.py"
     "$PY" -m torch.distributed.run --standalone --nproc_per_node="$nproc" mnist_train_distributed.py \
-        "${defaults[@]}" --output-dir ./output/distributed "$@"
+        "${defaults[@]}" --output-dir "$out/distributed" ${shared[@]+"${shared[@]}"} \
+        ${distributed_only[@]+"${distributed_only[@]}"}
     echo
-    echo "Models:      ./output/single/best_model.pth, ./output/distributed/best_model.pth"
-    echo "TensorBoard: $(dirname "$PY")/tensorboard --logdir ./output   (then open http://localhost:6006)"
+    echo "Models:      $out/single/best_model.pth, $out/distributed/best_model.pth"
+    echo "TensorBoard: $(dirname "$PY")/tensorboard --logdir $out   (then open http://localhost:6006)"
     ;;
 *)
-    sed -n '2,15p' "$0"
+    sed -n '2,/^set -euo/p' "$0" | sed '$d'  # the usage at the top of this file
     exit 2
     ;;
 esac

@@ -163,3 +163,54 @@ def test_a_killed_worker_is_restarted_and_resumes(mnist_big_dir, tmp_path):
     steps = [s for s, _ in scalars['Loss/train']]
     assert steps == sorted(set(steps)) and len(steps) == 3 * 5  # 100 batches per rank, every 20th
     assert torch.load(out / 'checkpoint.pth', weights_only=True)['epochs_done'] == 3
+
+
+# --- Other launchers: plain python per node (Kubeflow, DLC), SLURM; waiting for the others ----------
+
+def test_plain_python_processes_with_a_launchers_variables_train_together(mnist_dir, tmp_path):
+    out, port = tmp_path / 'out', free_port()
+    procs = [start(dist_cmd('--data-dir', mnist_dir, '--output-dir', out, '--epochs', '1', *FAST),
+                   env=script_env(RANK=str(rank), WORLD_SIZE='2', MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port)))
+             for rank in (0, 1)]
+    outputs = [reader.rest(timeout=120) for _, reader in procs]
+    assert [proc.returncode for proc, _ in procs] == [0, 0], outputs
+    for rank, output in enumerate(outputs):
+        assert output.startswith('LOCAL_RANK is not set (started with python, not torchrun): one process on '
+                                 'this node, LOCAL_RANK 0.\n')
+        assert f'Joining the job at 127.0.0.1:{port} as rank {rank} of 2 (waiting up to 1800s for all ranks)' in output
+    check_result(''.join(outputs), out, epochs=1, world_size=2)
+
+
+def test_slurm_tasks_without_torchrun_are_refused(tmp_path):
+    returncode, stdout, stderr = run(dist_cmd('--output-dir', tmp_path), check=False,
+                                     env=script_env(SLURM_NTASKS='4', SLURM_PROCID='1'))
+    assert returncode == 1 and 'Traceback' not in stderr and 'Train Epoch' not in stdout
+    assert 'error: started by SLURM as 4 tasks without torchrun' in stderr
+    assert 'srun --ntasks-per-node=1 torchrun --nnodes=$SLURM_NNODES' in stderr
+    assert not list(tmp_path.iterdir()), 'nothing written'
+
+
+@pytest.mark.parametrize('rank', [0, 1])
+def test_a_rank_left_alone_says_where_it_waits_and_stops_in_time(rank, tmp_path):
+    port = free_port()
+    env = script_env(RANK=str(rank), WORLD_SIZE='2', LOCAL_RANK='0', MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port))
+    proc, reader = start(dist_cmd('--output-dir', tmp_path, '--join-timeout', '3'), env=env)
+    line = reader.wait_for(lambda line: line.startswith('Joining'), timeout=30)  # at once, before any wait
+    assert line == f'Joining the job at 127.0.0.1:{port} as rank {rank} of 2 (waiting up to 3s for all ranks)\n'
+    output = reader.rest(timeout=30)  # the timeout is 3 s: well within 30
+    assert proc.returncode == 1 and 'Traceback' not in output, output
+    if rank == 0:  # it hosts the meeting point: it knows who did not come
+        assert f'error: rank 1 of 2 did not join the job at 127.0.0.1:{port} within 3s' in output
+    else:  # nobody listens at the master's address
+        assert f'error: rank 1 could not reach the job at 127.0.0.1:{port} within 3s' in output
+    assert '--join-timeout' in output
+
+
+def test_two_processes_on_one_gpu_are_named():
+    import importlib
+    script = importlib.import_module('mnist_train_distributed')
+    assert script.shared_gpus(['node-a GPU-1', 'node-a GPU-2', 'node-b GPU-1']) is None
+    message = script.shared_gpus(['node-a GPU-1', 'node-a GPU-2', 'node-a GPU-1', 'node-b GPU-7', 'node-b GPU-7'])
+    assert message.startswith('two processes landed on the same GPU (ranks 0, 2 on one GPU of node-a; '
+                              'ranks 3, 4 on one GPU of node-b)')
+    assert '--nproc_per_node' in message

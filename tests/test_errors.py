@@ -102,10 +102,9 @@ def test_cuda_asked_for_without_cuda(tmp_path):
 def test_half_set_distributed_environment(tmp_path):
     fails(dist_cmd('--output-dir', tmp_path), 'WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT missing',
           env=script_env(RANK='0'))
-    # DLC's own variables, without torchrun in front of the script:
-    dlc = dict(RANK='0', WORLD_SIZE='2', MASTER_ADDR='127.0.0.1', MASTER_PORT='29500')
-    fails(dist_cmd('--output-dir', tmp_path), 'LOCAL_RANK missing', 'Start the script with torchrun',
-          env=script_env(**dlc))
+    # torchrun's per-process variables without the address to meet at:
+    fails(dist_cmd('--output-dir', tmp_path), 'MASTER_ADDR, MASTER_PORT missing', 'Start the script with torchrun',
+          env=script_env(RANK='0', WORLD_SIZE='2', LOCAL_RANK='0'))
 
 
 def test_debug_shows_the_traceback(tmp_path):

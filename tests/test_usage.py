@@ -1,0 +1,51 @@
+"""What a newcomer meets first: --help, a script uploaded without common.py, run_local.sh's flags."""
+import os
+import re
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, run, script_env
+
+
+@pytest.mark.parametrize('script, start_command', [
+    ('mnist_train.py', 'python /mnt/data/mnist_train.py'),
+    ('mnist_train_distributed.py', 'torchrun --nproc_per_node=1 --nnodes=${WORLD_SIZE} --node_rank=${RANK}'),
+])
+def test_help_shows_the_dlc_start_command_and_the_output(script, start_command):
+    _, stdout, _ = run([sys.executable, ROOT / script, '--help'])
+    assert start_command in stdout
+    assert 'best_model.pth' in stdout and 'checkpoint.pth' in stdout and 'runs/mnist_experiment' in stdout
+    assert 'upload common.py beside this script' in stdout
+    assert 'counting those done before a restart' in stdout  # --epochs is a total
+
+
+@pytest.mark.parametrize('script', ['mnist_train.py', 'mnist_train_distributed.py'])
+def test_a_script_uploaded_without_common_py_says_so_in_one_line(script, tmp_path):
+    shutil.copy(ROOT / script, tmp_path / script)
+    returncode, stdout, stderr = run([sys.executable, tmp_path / script], check=False,
+                                     env=script_env(PYTHONPATH=''))
+    assert returncode == 1, stderr
+    assert stderr == f'error: common.py is missing: upload it beside {tmp_path / script} (on DLC, to the same ' \
+                     f'folder of the dataset as the script).\n'
+
+
+def test_run_local_gives_each_script_only_the_flags_it_takes(mnist_dir, tmp_path):
+    venv = Path(sys.executable).parent.parent
+    if not list(venv.glob('.installed-*')):
+        pytest.skip('not in an environment made by run_local.sh')
+    out = tmp_path / 'out'
+    returncode, stdout, stderr = run(['bash', ROOT / 'run_local.sh', '--epochs', '1', '--data-dir', mnist_dir,
+                                      '--output-dir', out, '--batch-size', '16', '--log-interval', '10',
+                                      '--backend', 'gloo', '--join-timeout=120'],
+                                     env=script_env(VENV=str(venv)), timeout=300)
+    # The single script would have stopped at --backend ("unrecognized arguments").
+    assert 'unrecognized arguments' not in stderr
+    assert re.search(r'^Train Epoch: 0 \[0/640', stdout, re.M), 'the single script ran'
+    assert 'with gloo' in stdout and 'waiting up to 120s for all ranks' in stdout  # both reached it
+    assert sorted(p.name for p in out.iterdir()) == ['distributed', 'single']
+    for name in ('single', 'distributed'):
+        assert (out / name / 'best_model.pth').exists()
+    assert f'Models:      {out}/single/best_model.pth, {out}/distributed/best_model.pth' in stdout

@@ -354,7 +354,10 @@ def load_checkpoint(args):
         return None
     try:
         # weights_only: tensors and plain values are all it may hold; no arbitrary objects are built.
-        checkpoint = torch.load(checkpoint_path, map_location='cpu', weights_only=True)
+        try:
+            checkpoint = torch.load(checkpoint_path, map_location='cpu', weights_only=True)
+        except Exception as e:
+            raise ValueError(f'torch.load cannot read it as weights: {type(e).__name__}') from None
         missing = CHECKPOINT_KEYS - set(checkpoint)
         if missing:
             raise KeyError(f'no {", ".join(sorted(missing))}')

@@ -10,6 +10,8 @@
 #   ./run_local.sh test-pai [...]      the test suite on the PAI image's torch 2.3.1 (.venv-pai)
 #   ./run_local.sh bench [FLAGS]       document pipeline vs ours (tests/benchmark.py --help)
 #   ./run_local.sh gpu-check [FLAGS]   2 epochs of each script on CUDA, with NCCL over every GPU
+#   ./run_local.sh serve [FLAGS]       serve.py with ./output/single/best_model.pth on port 8000
+#   ./run_local.sh bench-serve [FLAGS] serve.py's latency and requests/s (tests/bench_serve.py --help)
 #
 # Examples: ./run_local.sh --epochs 1 --data-dir ../shared/data/mnist
 #           ./run_local.sh bench --data-dir ../shared/data/mnist
@@ -47,6 +49,16 @@ bench)
     shift
     venv .venv -r requirements.txt
     exec "$PY" tests/benchmark.py "$@"
+    ;;
+serve)
+    shift
+    venv "${VENV:-.venv}" -r requirements.txt
+    exec "$PY" serve.py --model ./output/single/best_model.pth "$@"
+    ;;
+bench-serve)
+    shift
+    venv .venv -r requirements.txt
+    exec "$PY" tests/bench_serve.py "$@"
     ;;
 gpu-check)
     shift

@@ -1,0 +1,211 @@
+"""serve.py as EAS runs it: a subprocess on a port, real HTTP requests, real PNG and JPEG files."""
+import io
+import json
+import re
+import socket
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from torchvision import datasets
+
+import common
+from conftest import ROOT, free_port, run, start
+
+SERVE = ROOT / 'serve.py'
+
+
+@pytest.fixture(scope='module')
+def model_file(tmp_path_factory):
+    """A model saved as the training scripts save it (weights of a fixed seed: predictions vary enough)."""
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp('model') / 'best_model.pth'
+    torch.save(common.SimpleCNN().state_dict(), path)
+    return path
+
+
+@pytest.fixture(scope='module')
+def server(model_file):
+    port = free_port()
+    proc, reader = start([sys.executable, SERVE, '--model', model_file, '--port', str(port), '--timeout', '2'])
+    reader.wait_for(lambda line: line.startswith('Serving'), timeout=60)
+    yield f'http://127.0.0.1:{port}', port, reader
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+def request(url, data=None, method=None):
+    """(status, JSON body) of one request; error statuses too."""
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, data=data, method=method), timeout=30) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def encode(array, fmt='PNG', mode='L'):
+    buffer = io.BytesIO()
+    Image.fromarray(array.astype(np.uint8)).convert(mode).save(buffer, format=fmt)
+    return buffer.getvalue()
+
+
+def forward(model_file, images):
+    """The model's own predictions on training-style tensors."""
+    model = common.SimpleCNN()
+    model.load_state_dict(torch.load(model_file, weights_only=True))
+    with torch.no_grad():
+        return torch.softmax(model(images), dim=1)
+
+
+def healthy(url):
+    assert request(url + '/health') == (200, {'status': 'ok', 'model': request(url + '/health')[1]['model']})
+
+
+def test_an_mnist_png_gives_bit_for_bit_the_validation_tensor(mnist_dir):
+    import serve
+    dataset = datasets.MNIST(root=mnist_dir, train=False, transform=serve.transform)
+    for i in range(20):
+        png = encode(dataset.data[i].numpy())
+        assert torch.equal(serve.preprocess(png)[0], dataset[i][0]), f'image {i}'
+
+
+def test_predictions_equal_the_models_own(server, model_file, mnist_dir):
+    url, _, _ = server
+    dataset = datasets.MNIST(root=mnist_dir, train=False, transform=__import__('serve').transform)
+    expected = forward(model_file, torch.stack([dataset[i][0] for i in range(30)]))
+    for i in range(30):
+        status, body = request(url + '/predict', encode(dataset.data[i].numpy()))
+        assert status == 200 and body['digit'] == expected[i].argmax().item()
+        assert body['probabilities'] == pytest.approx(expected[i].tolist(), abs=1e-6)
+    assert len({request(url + '/predict', encode(dataset.data[i].numpy()))[1]['digit'] for i in range(30)}) > 1
+
+
+def test_a_dark_digit_on_light_paper_of_any_size_and_colour_is_inverted(server, model_file, mnist_dir):
+    import serve
+    url, _, _ = server
+    image = datasets.MNIST(root=mnist_dir, train=False).data[3].numpy()
+    light = 255 - image
+    assert torch.equal(serve.preprocess(encode(light)), serve.preprocess(encode(image)))
+    # A bigger colour photo of it: resized and inverted, the same digit as the model's own reading.
+    big = np.array(Image.fromarray(light).resize((280, 280), Image.NEAREST))
+    for data in (encode(big, 'PNG', 'RGB'), encode(big, 'JPEG', 'RGB')):
+        status, body = request(url + '/predict', data)
+        assert status == 200
+        assert body['digit'] == forward(model_file, serve.preprocess(data))[0].argmax().item()
+    assert serve.preprocess(encode(big, 'PNG', 'RGB')).mean() < 0, 'mostly dark after the inversion, as MNIST'
+
+
+def test_bad_requests_get_their_status_and_the_server_keeps_serving(server, tmp_path):
+    url, port, reader = server
+    cases = [
+        (request(url + '/predict', b'', 'POST'), 400, 'send the image file as the request body'),
+        (request(url + '/predict', b'this is not an image'), 400, 'not an image'),
+        (request(url + '/predict', encode(np.random.default_rng(0).integers(0, 256, (28, 28)))[:300]), 400,
+         'cannot be decoded'),
+        (request(url + '/nowhere'), 404, 'no such path'),
+        (request(url + '/predict'), 405, '/predict takes POST'),
+        (request(url + '/health', b'x'), 405, '/health takes GET'),
+    ]
+    buffer = io.BytesIO()
+    Image.new('1', (7000, 6000)).save(buffer, format='PNG')  # 42 million pixels in a small file
+    cases.append((request(url + '/predict', buffer.getvalue()), 413, 'at most 40000000 are served'))
+    for (status, body), expected_status, message in cases:
+        assert status == expected_status and message in body['error'], (status, body)
+        healthy(url)
+
+    # Over 10 MB: refused from the header alone, before the body is read.
+    with socket.create_connection(('127.0.0.1', port), timeout=10) as s:
+        s.sendall(b'POST /predict HTTP/1.1\r\nHost: x\r\nContent-Length: 20000000\r\n\r\n' + b'x' * 1000)
+        reply = b''.join(iter(lambda: s.recv(4096), b'')).decode()  # until the server closes
+    assert reply.startswith('HTTP/1.1 413 ') and 'at most 10485760' in reply
+    healthy(url)
+
+
+def test_a_stalled_client_is_let_go_and_others_are_served_meanwhile(server):
+    url, port, _ = server
+    with socket.create_connection(('127.0.0.1', port), timeout=20) as s:
+        s.sendall(b'POST /predict HTTP/1.1\r\nHost: x\r\nContent-Length: 500\r\n\r\n' + b'x' * 10)
+        healthy(url)  # served while the stalled request waits
+        start = time.monotonic()
+        reply = b''.join(iter(lambda: s.recv(4096), b'')).decode()  # the server's --timeout is 2 s
+        assert time.monotonic() - start < 10
+    assert reply.startswith('HTTP/1.1 408 ') or reply == ''
+    healthy(url)
+
+
+def test_eight_clients_at_once(server, model_file, mnist_dir):
+    import serve
+    url, _, _ = server
+    images = datasets.MNIST(root=mnist_dir, train=False).data[:25].numpy()
+    pngs = [encode(image) for image in images]
+    expected = forward(model_file, torch.cat([serve.preprocess(png) for png in pngs])).argmax(dim=1).tolist()
+    results = [[] for _ in range(8)]
+
+    def client(k):
+        for png in pngs:
+            results[k].append(request(url + '/predict', png))
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for k in range(8):
+        assert [(status, body['digit']) for status, body in results[k]] == [(200, d) for d in expected]
+
+
+def test_one_log_line_per_request(server):
+    url, _, reader = server
+    request(url + '/health?from=log-test')
+    request(url + '/log-test')
+    line = reader.wait_for(lambda line: line.startswith('GET /log-test'))
+    assert re.fullmatch(r'GET /log-test 404 \d+\.\d ms\n', line)
+    assert re.fullmatch(r'GET /health\?from=log-test 200 \d+\.\d ms\n', reader.lines[-2])
+
+
+def test_predict_files_without_a_server(model_file, mnist_dir, tmp_path):
+    import serve
+    image = datasets.MNIST(root=mnist_dir, train=False).data[0].numpy()
+    (tmp_path / 'digit.png').write_bytes(encode(image))
+    (tmp_path / 'notes.txt').write_text('not an image')
+    expected = forward(model_file, serve.preprocess(encode(image)))[0].argmax().item()
+    returncode, stdout, stderr = run([sys.executable, SERVE, '--model', model_file, '--predict',
+                                      tmp_path / 'digit.png', tmp_path / 'notes.txt'], check=False)
+    assert returncode == 1
+    assert re.fullmatch(rf'{tmp_path}/digit.png: {expected} \(\d+\.\d%\)\n', stdout)
+    assert f'{tmp_path}/notes.txt: error: the body is not an image' in stderr
+
+
+@pytest.mark.parametrize('content, message', [
+    (None, 'there is no model at'),
+    (b'not a model', 'it is not a file of model weights'),
+    ('linear', 'it holds the weights of another model'),
+])
+def test_a_missing_or_wrong_model_stops_at_start_up(content, message, tmp_path):
+    path = tmp_path / 'best_model.pth'
+    if content == 'linear':
+        torch.save(torch.nn.Linear(2, 2).state_dict(), path)
+    elif content is not None:
+        path.write_bytes(content)
+    returncode, stdout, stderr = run([sys.executable, SERVE, '--model', path, '--port', str(free_port())],
+                                     check=False, timeout=60)
+    assert returncode == 1 and 'Traceback' not in stderr and 'Serving' not in stdout
+    assert stderr.startswith(f'error: cannot load {path}: {message}') or stderr.startswith(f'error: {message}')
+    assert len(stderr.strip().splitlines()) == 1
+
+
+def test_the_distributed_scripts_model_and_a_checkpoint_load_too(tmp_path):
+    import serve
+    model = common.SimpleCNN()
+    ddp_style = {'module.' + key: value for key, value in model.state_dict().items()}
+    torch.save(ddp_style, tmp_path / 'ddp.pth')
+    torch.save({'model': model.state_dict(), 'epochs_done': 1}, tmp_path / 'checkpoint.pth')
+    for name in ('ddp.pth', 'checkpoint.pth'):
+        loaded = serve.load_model(tmp_path / name)
+        assert not loaded.training
+        assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), model.state_dict().values()))

@@ -31,38 +31,35 @@ class SetupError(Exception):
     """
 
 
-class Interrupted(BaseException):
-    """Ctrl-C (SIGINT) or SIGTERM (what torchrun, Kubernetes and DLC send to stop a job)."""
-
-    def __init__(self, signum):
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
+_writing = set()  # the temporary files save_atomic is writing now
 
 
-def stop_on_signals():
-    """Make SIGINT and SIGTERM raise Interrupted wherever the run is, so that it ends cleanly."""
-    def handler(signum, frame):
-        raise Interrupted(signum)
-    signal.signal(signal.SIGINT, handler)
-    signal.signal(signal.SIGTERM, handler)
+def stop_on_signals(args, main_process=True):
+    """Make Ctrl-C (SIGINT) and SIGTERM (what torchrun, Kubernetes and DLC send) end the run at once.
 
-
-def exit_on(error, args, main_process=True):
-    """End the run on a SetupError (exit 1) or an interrupt (exit 128 + signal), with one paragraph."""
-    if isinstance(error, Interrupted):
+    No traceback and no temporary file are left; the main process says in one line where the run
+    stopped and how to resume; the exit code is 128 + the signal, 130 or 143. Nothing needs
+    unwinding: every finished epoch is already on disk, and other ranks may be gone already.
+    """
+    def stop(signum, frame):
+        for path in list(_writing):
+            with contextlib.suppress(OSError):
+                os.remove(path)
         if main_process:
-            checkpoint_path = os.path.join(args.output_dir, 'checkpoint.pth')
             try:
+                checkpoint_path = os.path.join(args.output_dir, 'checkpoint.pth')
                 epochs_done = torch.load(checkpoint_path, map_location='cpu', weights_only=True)['epochs_done']
             except Exception:
                 epochs_done = 0
-            how = ('the same command without --no-resume' if args.no_resume and epochs_done
-                   else 'the same command')
-            sys.stderr.write(f'Stopped by {"Ctrl-C" if error.signum == signal.SIGINT else error}, after '
-                             f'{epochs_done} finished epochs: {how} resumes from epoch {epochs_done}.\n')
-        return 128 + error.signum
-    sys.stderr.write(f'error: {error}\n')  # one write: the ranks of a job share the stream
-    return 1
+            how = 'the same command without --no-resume' if args.no_resume and epochs_done else 'the same command'
+            name = 'Ctrl-C' if signum == signal.SIGINT else signal.Signals(signum).name
+            sys.stdout.flush()
+            sys.stderr.write(f'Stopped by {name}, after {epochs_done} finished epochs: {how} resumes from '
+                             f'epoch {epochs_done}.\n')
+            sys.stderr.flush()
+        os._exit(128 + signum)
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
 
 
 def check_finite(loss, epoch, batch_idx=None):
@@ -319,6 +316,7 @@ def save_atomic(obj, path):
     buffer = io.BytesIO()
     torch.save(obj, buffer)  # in memory first: torch.save turns a write error into an obscure one
     tmp_path = path + '.tmp'
+    _writing.add(tmp_path)
     try:
         with open(tmp_path, 'wb') as f:
             f.write(buffer.getbuffer())
@@ -333,6 +331,8 @@ def save_atomic(obj, path):
         raise SetupError(f'could not write {path} ({e.strerror or e}). The previous {os.path.basename(path)}, if '
                          f'any, is left as it was; once there is room (or the folder is writable again), the '
                          f'same command resumes from the last finished epoch.') from None
+    finally:
+        _writing.discard(tmp_path)
 
 
 def load_checkpoint(args):

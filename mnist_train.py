@@ -156,10 +156,10 @@ if __name__ == '__main__':
     # Whole lines, each as soon as it is printed: DLC's log view is live and ranks share one stream.
     sys.stdout.reconfigure(line_buffering=True, write_through=False)
     args = parse_args()
-    common.stop_on_signals()  # Ctrl-C and SIGTERM end the run with one line, as errors do
+    common.stop_on_signals(args)  # Ctrl-C and SIGTERM end the run with one line
     try:
         main(args)
-    except (common.SetupError, common.Interrupted) as e:
+    except common.SetupError as e:
         if args.debug:
             raise
-        sys.exit(common.exit_on(e, args))
+        sys.exit(f'error: {e}')

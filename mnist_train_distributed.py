@@ -303,16 +303,14 @@ if __name__ == '__main__':
     # Whole lines, each as soon as it is printed: DLC's log view is live and ranks share one stream.
     sys.stdout.reconfigure(line_buffering=True, write_through=False)
     args = parse_args()
-    common.stop_on_signals()  # Ctrl-C and SIGTERM end the run with one line, as errors do
+    common.stop_on_signals(args, main_process=int(os.environ.get('RANK', 0)) == 0)  # one line, from rank 0
     try:
         main(args)
-    except (common.SetupError, common.Interrupted) as e:
+    except common.SetupError as e:
         if args.debug:
             raise
-        code = common.exit_on(e, args, main_process=int(os.environ.get('RANK', 0)) == 0)
-        if isinstance(e, common.Interrupted):
-            os._exit(code)  # no teardown: other ranks may have stopped in the middle of a collective
-        sys.exit(code)
+        sys.stderr.write(f'error: {e}\n')  # one write: the ranks of a job share the stream
+        sys.exit(1)
     finally:
         if dist.is_initialized():
             # Before torch 2.8, Gloo's teardown holds the GIL while its threads may still need it to

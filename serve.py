@@ -14,6 +14,7 @@ import argparse
 import io
 import json
 import os
+import signal
 import sys
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -209,13 +210,12 @@ def main(args):
 if __name__ == '__main__':
     sys.stdout.reconfigure(line_buffering=True, write_through=False)
     args = parse_args()
-    common.stop_on_signals()
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))  # how EAS stops a service
     try:
         sys.exit(main(args))
     except common.SetupError as e:
         if args.debug:
             raise
         sys.exit(f'error: {e}')
-    except common.Interrupted as e:
-        print(f'Stopped by {"Ctrl-C" if str(e) == "SIGINT" else e}.', file=sys.stderr)
-        sys.exit(128 + e.signum)
+    except KeyboardInterrupt:
+        sys.exit(130)

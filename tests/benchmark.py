@@ -112,7 +112,7 @@ def main():
                     mnist_train.train(model, train_loader, optimizer, criterion, rep, device, writer, 100)
                     sync(device)
                     train_part.append(time.perf_counter() - start)
-                    mnist_train.validate(model, val_loader, criterion, device)
+                    mnist_train.validate(model, val_loader, criterion, device, writer, rep)
                 else:
                     model, optimizer, criterion = fresh(ours_layout)
                     sync(device)

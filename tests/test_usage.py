@@ -49,3 +49,12 @@ def test_run_local_gives_each_script_only_the_flags_it_takes(mnist_dir, tmp_path
     for name in ('single', 'distributed'):
         assert (out / name / 'best_model.pth').exists()
     assert f'Models:      {out}/single/best_model.pth, {out}/distributed/best_model.pth' in stdout
+
+
+def test_the_benchmarks_run_and_print_their_figures(mnist_dir):
+    # Speed is not asserted here (that belongs to the benchmarks themselves): only that they still run.
+    _, stdout, _ = run([sys.executable, ROOT / 'tests' / 'benchmark.py', '--data-dir', mnist_dir, '--repeats', '1'])
+    assert re.search(r'^ours / document +\d+\.\d{3} ', stdout, re.M) and 'peak RSS' in stdout
+    _, stdout, _ = run([sys.executable, ROOT / 'tests' / 'bench_serve.py', '--data-dir', mnist_dir,
+                        '--requests', '40'])
+    assert re.search(r'latency p50 \d+\.\d\d ms', stdout) and re.search(r'\d+ requests/s', stdout)

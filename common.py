@@ -1,5 +1,5 @@
-"""What mnist_train.py and mnist_train_distributed.py share, in three parts: the model, the data,
-and the checkpoints that let a restarted job pick up its work.
+"""What mnist_train.py and mnist_train_distributed.py share, in three parts after the flag helpers:
+the model, the data, and the checkpoints that let a stopped or restarted job pick up its work.
 
 Everything else, the training loop included, stays in each script, so that each reads beside the
 document's own.
@@ -29,47 +29,6 @@ class SetupError(Exception):
 
     The scripts print it as one paragraph, without a traceback unless --debug is given, and exit 1.
     """
-
-
-_writing = set()  # the temporary files save_atomic is writing now
-
-
-def stop_on_signals(args, main_process=True):
-    """Make Ctrl-C (SIGINT) and SIGTERM (what torchrun, Kubernetes and DLC send) end the run at once.
-
-    No traceback and no temporary file are left; the main process says in one line where the run
-    stopped and how to resume; the exit code is 128 + the signal, 130 or 143. Nothing needs
-    unwinding: every finished epoch is already on disk, and other ranks may be gone already.
-    """
-    def stop(signum, frame):
-        for path in list(_writing):
-            with contextlib.suppress(OSError):
-                os.remove(path)
-        if main_process:
-            try:
-                checkpoint_path = os.path.join(args.output_dir, 'checkpoint.pth')
-                epochs_done = torch.load(checkpoint_path, map_location='cpu', weights_only=True)['epochs_done']
-            except Exception:
-                epochs_done = 0
-            how = 'the same command without --no-resume' if args.no_resume and epochs_done else 'the same command'
-            name = 'Ctrl-C' if signum == signal.SIGINT else signal.Signals(signum).name
-            sys.stdout.flush()
-            sys.stderr.write(f'Stopped by {name}, after {epochs_done} finished epochs: {how} resumes from '
-                             f'epoch {epochs_done}.\n')
-            sys.stderr.flush()
-        os._exit(128 + signum)
-    signal.signal(signal.SIGINT, stop)
-    signal.signal(signal.SIGTERM, stop)
-
-
-def check_finite(loss, epoch, batch_idx=None):
-    """Stop the run, before anything is saved, once a loss is nan or infinite: the model has diverged."""
-    if not math.isfinite(loss):
-        where = f'epoch {epoch}, batch {batch_idx}' if batch_idx is not None else f'the validation of epoch {epoch}'
-        raise SetupError(f'training diverged: the loss became {loss} at {where}. checkpoint.pth and '
-                         f'best_model.pth are left as the last finished epoch wrote them. The learning rate '
-                         f'is probably too large: train again with a smaller --lr (the document uses 0.01), '
-                         f'adding --no-resume if this output folder already has a checkpoint of this run.')
 
 
 def positive(kind):
@@ -299,12 +258,14 @@ class TensorLoader:
             yield self.images[indices], self.labels[indices]
 
 
-# === Checkpoints ==================================================================================
+# === Checkpoints and stopping =====================================================================
 # checkpoint.pth, beside best_model.pth, holds what a restarted job needs to go on where the last
-# finished epoch left off. Every file is written whole or not at all.
+# finished epoch left off. Every file is written whole or not at all, and a run that has to stop
+# (a signal, a diverged loss, a full disk) stops without losing what it saved.
 
 CHECKPOINT_KEYS = {'model', 'optimizer', 'epochs_done', 'best_val_accuracy', 'best_epoch'}
 TRAINING_FLAGS = {'lr': '--lr', 'batch_size': '--batch-size', 'seed': '--seed'}  # they change the result
+_writing = set()  # the temporary files save_atomic is writing now: a stop removes them
 
 
 def save_atomic(obj, path):
@@ -417,3 +378,41 @@ def save_checkpoint(args, writer, model, optimizer, epochs_done, best_val_accura
                  'best_val_accuracy': best_val_accuracy, 'best_epoch': best_epoch,
                  'hyperparameters': {name: getattr(args, name) for name in TRAINING_FLAGS}},
                 os.path.join(args.output_dir, 'checkpoint.pth'))
+
+
+def stop_on_signals(args, main_process=True):
+    """Make Ctrl-C (SIGINT) and SIGTERM (what torchrun, Kubernetes and DLC send) end the run at once.
+
+    No traceback and no temporary file are left; the main process says in one line where the run
+    stopped and how to resume; the exit code is 128 + the signal, 130 or 143. Nothing needs
+    unwinding: every finished epoch is already on disk, and other ranks may be gone already.
+    """
+    def stop(signum, frame):
+        for path in list(_writing):
+            with contextlib.suppress(OSError):
+                os.remove(path)
+        if main_process:
+            try:
+                checkpoint_path = os.path.join(args.output_dir, 'checkpoint.pth')
+                epochs_done = torch.load(checkpoint_path, map_location='cpu', weights_only=True)['epochs_done']
+            except Exception:
+                epochs_done = 0
+            how = 'the same command without --no-resume' if args.no_resume and epochs_done else 'the same command'
+            name = 'Ctrl-C' if signum == signal.SIGINT else signal.Signals(signum).name
+            sys.stdout.flush()
+            sys.stderr.write(f'Stopped by {name}, after {epochs_done} finished epochs: {how} resumes from '
+                             f'epoch {epochs_done}.\n')
+            sys.stderr.flush()
+        os._exit(128 + signum)
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
+
+
+def check_finite(loss, epoch, batch_idx=None):
+    """Stop the run, before anything is saved, once a loss is nan or infinite: the model has diverged."""
+    if not math.isfinite(loss):
+        where = f'epoch {epoch}, batch {batch_idx}' if batch_idx is not None else f'the validation of epoch {epoch}'
+        raise SetupError(f'training diverged: the loss became {loss} at {where}. checkpoint.pth and '
+                         f'best_model.pth are left as the last finished epoch wrote them. The learning rate '
+                         f'is probably too large: train again with a smaller --lr (the document uses 0.01), '
+                         f'adding --no-resume if this output folder already has a checkpoint of this run.')

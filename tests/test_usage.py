@@ -1,5 +1,4 @@
 """What a newcomer meets first: --help, a script uploaded without common.py, run_local.sh's flags."""
-import os
 import re
 import shutil
 import sys

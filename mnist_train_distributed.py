@@ -103,7 +103,7 @@ def read_environment():
             f'all would write one output folder. Start one torchrun per node inside srun instead: srun '
             f'--ntasks-per-node=1 torchrun --nnodes=$SLURM_NNODES --nproc_per_node=<GPUs per node> '
             f'--rdzv_backend=c10d --rdzv_endpoint=<first node>:29500 mnist_train_distributed.py')
-    if len(missing) == len(env_names):
+    if not any(name in os.environ for name in env_names[:3]):  # MASTER_* alone may be left from elsewhere
         print('Not started by torchrun (no RANK, WORLD_SIZE, LOCAL_RANK): running as a world of one process.')
         return 0, 1, 0, False
     if missing == ['LOCAL_RANK']:  # Kubeflow's PyTorchJob, or DLC's python start command: one process per node

@@ -49,7 +49,9 @@ def test_two_processes_on_one_node(mnist_dir, tmp_path):
 
 def test_without_torchrun_runs_as_a_world_of_one(mnist_dir, tmp_path):
     out = tmp_path / 'out'
-    _, stdout, _ = run(dist_cmd('--data-dir', mnist_dir, '--output-dir', out, '--epochs', '1', *FAST))
+    # A MASTER_ADDR and MASTER_PORT left in the environment by something else do not make a job.
+    _, stdout, _ = run(dist_cmd('--data-dir', mnist_dir, '--output-dir', out, '--epochs', '1', *FAST),
+                       env=script_env(MASTER_ADDR='10.0.0.1', MASTER_PORT='29500'))
     assert stdout.startswith('Not started by torchrun')
     assert 'Rank 0/1 (local rank 0' in stdout
     check_result(stdout, out, epochs=1, world_size=1)

@@ -11,7 +11,8 @@
 #   ./run_local.sh bench [FLAGS]       document pipeline vs ours (tests/benchmark.py --help)
 #   ./run_local.sh gpu-check [FLAGS]   2 epochs of each script on CUDA, with NCCL over every GPU
 #   ./run_local.sh serve [FLAGS]       serve.py with ./output/single/best_model.pth on port 8000
-#   ./run_local.sh bench-serve [FLAGS] serve.py's latency and requests/s (tests/bench_serve.py --help)
+#   ./run_local.sh bench-serve [FLAGS] serve.py's latency, requests/s and memory, beside the http.server
+#                                      version it replaced (tests/bench_serve.py --help)
 #
 # Examples: ./run_local.sh --epochs 1 --data-dir ../shared/data/mnist
 #           ./run_local.sh bench --data-dir ../shared/data/mnist
@@ -52,13 +53,16 @@ bench)
     ;;
 serve)
     shift
-    venv "${VENV:-.venv}" -r requirements.txt
+    venv "${VENV:-.venv}" -r requirements.txt -r requirements-serve.txt
     exec "$PY" serve.py --model ./output/single/best_model.pth "$@"
     ;;
 bench-serve)
     shift
-    venv .venv -r requirements.txt
-    exec "$PY" tests/bench_serve.py "$@"
+    venv .venv -r requirements.txt -r requirements-serve.txt
+    # Side by side with the last serve.py built on the standard library's http.server, where git has it.
+    baseline=()
+    if git rev-parse --quiet --verify baa33a9^{commit} > /dev/null 2>&1; then baseline=(--baseline baa33a9); fi
+    exec "$PY" tests/bench_serve.py ${baseline[@]+"${baseline[@]}"} "$@"
     ;;
 gpu-check)
     shift

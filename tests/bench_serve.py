@@ -1,18 +1,23 @@
-"""Speed of serve.py, measured as clients see it: a real PNG per request, over HTTP on this machine.
+"""Speed and memory of serve.py, measured as clients see it: real images, over HTTP on this machine.
 
-    python tests/bench_serve.py [--model best_model.pth] [--data-dir DIR]      (or: ./run_local.sh bench-serve)
+    python tests/bench_serve.py [--model best_model.pth] [--data-dir DIR] [--baseline REV]
+    (or: ./run_local.sh bench-serve, which compares with the http.server version of serve.py)
 
 Starts serve.py on a free port, then sends MNIST test images (the real ones from --data-dir, else
-made-up digits) as 28x28 PNGs: first one client, one request after another on a kept-alive
-connection (latency p50 and p99), then --clients clients at once (requests per second). Any model
-serves at the same speed: without --model, a freshly initialised one. Not part of the test suite.
+made-up digits) as 28x28 PNGs: one client, one request after another on a kept-alive connection
+(latency p50 and p99); --clients clients at once (requests per second); 8 clients that open a new
+connection for every request (how many took 1 s or more); and 8 clients at once sending the largest
+images the limits accept (peak memory of the whole service, its processes' PSS: shared pages counted
+once; and the most CPU one such image cost). With --baseline REV, the serve.py of that git revision
+is measured too, each part alternating between the two. Any model serves at the same speed: without
+--model, a freshly initialised one. Not part of the test suite.
 """
 import argparse
 import http.client
 import io
 import os
+import shutil
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -21,7 +26,7 @@ import time
 
 import numpy as np
 import torch
-from PIL import Image
+from PIL import Image, ImageDraw
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -42,13 +47,120 @@ def pngs(data_dir, count):
     return out
 
 
+def largest_images():
+    """The largest images serve.py's limits accept: a 4096x4096 RGBA PNG and a 16384x16384 JPEG, a digit each."""
+    out = []
+    for size, mode, fmt in ((4096, 'RGBA', 'PNG'), (16384, 'RGB', 'JPEG')):
+        image = Image.new(mode, (size, size), 'white')
+        ImageDraw.Draw(image).ellipse((size // 3, size // 4, size * 2 // 3, size * 3 // 4), outline='black',
+                                      width=size // 25)
+        buffer = io.BytesIO()
+        image.save(buffer, format=fmt)
+        out.append(buffer.getvalue())
+    return out
+
+
 def post(connection, body):
     start = time.perf_counter()
     connection.request('POST', '/predict', body=body, headers={'Content-Type': 'image/png'})
     response = connection.getresponse()
     response.read()
-    assert response.status == 200, response.status
+    return time.perf_counter() - start, response.status
+
+
+def in_threads(count, target):
+    threads = [threading.Thread(target=target, args=(k,)) for k in range(count)]
+    start = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
     return time.perf_counter() - start
+
+
+def tree_pss(pid):
+    """Proportional set size of a process and its children, in bytes (shared pages split between them)."""
+    total = 0
+    for p in [pid] + [int(c) for c in open(f'/proc/{pid}/task/{pid}/children').read().split()]:
+        try:
+            for line in open(f'/proc/{p}/smaps_rollup'):
+                if line.startswith('Pss:'):
+                    total += int(line.split()[1]) * 1024
+        except FileNotFoundError:
+            pass
+    return total
+
+
+def cpu_seconds(pid):
+    fields = open(f'/proc/{pid}/stat').read().rsplit(')', 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf('SC_CLK_TCK')
+
+
+class Server:
+    def __init__(self, script, model_path):
+        with socket.socket() as s:
+            s.bind(('127.0.0.1', 0))
+            self.port = s.getsockname()[1]
+        self.proc = subprocess.Popen([sys.executable, script, '--model', model_path, '--port', str(self.port)],
+                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                                     env=dict(os.environ, PYTHONPATH=ROOT))
+        assert self.proc.stdout.readline().startswith('Serving'), f'{script} did not start'
+
+    def close(self):
+        self.proc.terminate()
+        self.proc.wait()
+
+
+def measure(server, bodies, big, args):
+    """The figures of one round against one server."""
+    port, figures = server.port, {}
+    connection = http.client.HTTPConnection('127.0.0.1', port)
+    for body in bodies:  # warm-up
+        post(connection, body)
+    latencies = sorted(post(connection, bodies[i % len(bodies)])[0] for i in range(args.requests))
+    figures['p50'], figures['p99'] = latencies[len(latencies) // 2], latencies[int(len(latencies) * 0.99)]
+
+    per_client = args.requests // args.clients
+
+    def kept_alive(k):
+        own = http.client.HTTPConnection('127.0.0.1', port)
+        for i in range(per_client):
+            assert post(own, bodies[i % len(bodies)])[1] == 200
+    figures['rate'] = per_client * args.clients / in_threads(args.clients, kept_alive)
+
+    slow = []
+
+    def new_connections(k):
+        for i in range(args.requests // 8):
+            own = http.client.HTTPConnection('127.0.0.1', port, timeout=30)
+            elapsed, status = post(own, bodies[i % len(bodies)])
+            own.close()
+            slow.append(elapsed >= 1 or status != 200)
+    in_threads(8, new_connections)
+    figures['slow'] = sum(slow)
+
+    before, peak, statuses = cpu_seconds(server.proc.pid), [tree_pss(server.proc.pid)], []
+    for body in big:  # one at a time first: the CPU one image costs
+        start = cpu_seconds(server.proc.pid)
+        statuses.append(post(http.client.HTTPConnection('127.0.0.1', port, timeout=120), body)[1])
+        figures[f'cpu{len(statuses)}'] = cpu_seconds(server.proc.pid) - start
+    done = threading.Event()
+
+    def sample():
+        while not done.is_set():
+            peak.append(tree_pss(server.proc.pid))
+            time.sleep(0.02)
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+
+    def largest(k):
+        statuses.append(post(http.client.HTTPConnection('127.0.0.1', port, timeout=120), big[k % len(big)])[1])
+    in_threads(8, largest)
+    done.set()
+    sampler.join()
+    figures['pss'], figures['big_statuses'] = max(peak), sorted(set(statuses))
+    figures['big_cpu'] = cpu_seconds(server.proc.pid) - before
+    return figures
 
 
 def main():
@@ -57,46 +169,43 @@ def main():
     parser.add_argument('--data-dir', help='torchvision root holding MNIST/raw (default: made-up images)')
     parser.add_argument('--requests', type=int, default=2000, help='requests in each part (default: 2000)')
     parser.add_argument('--clients', type=int, default=4, help='concurrent clients in the second part (default: 4)')
+    parser.add_argument('--baseline', metavar='REV', help='also measure the serve.py of this git revision')
+    parser.add_argument('--rounds', type=int, default=2, help='rounds, alternating servers (default: 2)')
     args = parser.parse_args()
     model_path = args.model
     if not model_path:
         torch.manual_seed(0)
         model_path = os.path.join(tempfile.mkdtemp(), 'best_model.pth')
         torch.save(common.SimpleCNN().state_dict(), model_path)
-    with socket.socket() as s:
-        s.bind(('127.0.0.1', 0))
-        port = s.getsockname()[1]
-    server = subprocess.Popen([sys.executable, os.path.join(ROOT, 'serve.py'), '--model', model_path,
-                               '--port', str(port)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    try:
-        assert server.stdout.readline().startswith('Serving'), 'serve.py did not start'
-        bodies = pngs(args.data_dir, 100)
-        connection = http.client.HTTPConnection('127.0.0.1', port)
-        for body in bodies:  # warm-up
-            post(connection, body)
-        latencies = sorted(post(connection, bodies[i % len(bodies)]) for i in range(args.requests))
-        p50, p99 = latencies[len(latencies) // 2], latencies[int(len(latencies) * 0.99)]
-
-        per_client = args.requests // args.clients
-
-        def client():
-            own = http.client.HTTPConnection('127.0.0.1', port)
-            for i in range(per_client):
-                post(own, bodies[i % len(bodies)])
-        threads = [threading.Thread(target=client) for _ in range(args.clients)]
-        start = time.perf_counter()
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        rate = per_client * args.clients / (time.perf_counter() - start)
-    finally:
-        server.terminate()
-        server.wait()
-    print(f'serve.py on {os.cpu_count()} CPU cores, torch {torch.__version__}, {len(bodies[0])}-byte 28x28 PNGs')
-    print(f'one client:  {args.requests} requests, latency p50 {p50 * 1000:.2f} ms, p99 {p99 * 1000:.2f} ms, '
-          f'mean {statistics.mean(latencies) * 1000:.2f} ms')
-    print(f'{args.clients} clients:   {per_client * args.clients} requests, {rate:.0f} requests/s')
+    scripts = {'serve.py': os.path.join(ROOT, 'serve.py')}
+    if args.baseline:
+        folder = tempfile.mkdtemp()
+        for name in ('serve.py', 'common.py'):
+            with open(os.path.join(folder, name), 'wb') as f:
+                f.write(subprocess.run(['git', 'show', f'{args.baseline}:{name}'], cwd=ROOT, check=True,
+                                       capture_output=True).stdout)
+        scripts[f'serve.py at {args.baseline}'] = os.path.join(folder, 'serve.py')
+    bodies, big = pngs(args.data_dir, 100), largest_images()
+    print(f'{os.cpu_count()} CPU cores, torch {torch.__version__}, {len(bodies[0])}-byte 28x28 PNGs; largest images: '
+          f'{len(big[0]) // 1000} KB 4096x4096 RGBA PNG, {len(big[1]) // 1000} KB 16384x16384 JPEG', flush=True)
+    for round in range(args.rounds):
+        for name, script in scripts.items():
+            server = Server(script, model_path)
+            try:
+                f = measure(server, bodies, big, args)
+            finally:
+                server.close()
+            print(f'round {round + 1}, {name}:\n'
+                  f'  one client:  {args.requests} requests, latency p50 {f["p50"] * 1000:.2f} ms, p99 '
+                  f'{f["p99"] * 1000:.2f} ms\n'
+                  f'  {args.clients} clients:   {args.requests // args.clients * args.clients} requests, '
+                  f'{f["rate"]:.0f} requests/s\n'
+                  f'  8 clients, a new connection each request: {args.requests // 8 * 8} requests, {f["slow"]} took 1 s '
+                  f'or more (or failed)\n'
+                  f'  8 clients sending the largest images: peak memory {f["pss"] / 2**20:.0f} MiB (PSS), CPU '
+                  f'{f["cpu1"]:.2f} s (PNG) and {f["cpu2"]:.2f} s (JPEG) alone, HTTP {f["big_statuses"]}', flush=True)
+    if args.baseline:
+        shutil.rmtree(os.path.dirname(scripts[f'serve.py at {args.baseline}']))
 
 
 if __name__ == '__main__':

@@ -55,5 +55,5 @@ def test_the_benchmarks_run_and_print_their_figures(mnist_dir):
     _, stdout, _ = run([sys.executable, ROOT / 'tests' / 'benchmark.py', '--data-dir', mnist_dir, '--repeats', '1'])
     assert re.search(r'^ours / document +\d+\.\d{3} ', stdout, re.M) and 'peak RSS' in stdout
     _, stdout, _ = run([sys.executable, ROOT / 'tests' / 'bench_serve.py', '--data-dir', mnist_dir,
-                        '--requests', '40'])
+                        '--requests', '40', '--rounds', '1'])
     assert re.search(r'latency p50 \d+\.\d\d ms', stdout) and re.search(r'\d+ requests/s', stdout)

@@ -1,0 +1,151 @@
+"""The page at GET /, in a real browser (headless Chromium driven by Selenium): draw a digit on the canvas,
+or upload an image file, and read the digit and the bars the page shows.
+
+The model is trained here, in a few seconds, on three shapes drawn with Pillow and framed by serve.py:
+an ellipse (0), an upright stroke (1), a bar and a slant (7). The browser then draws those shapes by
+pointer, so what is asserted is the whole path: strokes, canvas PNG, POST /predict, framing, model, page.
+"""
+import io
+import os
+import random
+import shutil
+import sys
+
+import pytest
+import torch
+from PIL import Image, ImageDraw
+
+import common
+from conftest import ROOT, free_port, start
+
+webdriver = pytest.importorskip('selenium.webdriver', reason='selenium is not installed (requirements-test.txt)')
+CHROMIUM = next((path for path in map(shutil.which, ('chromium', 'chromium-browser', 'google-chrome')) if path), None)
+DRIVER = shutil.which('chromedriver')
+if not (CHROMIUM and DRIVER):
+    pytest.skip('no Chromium and chromedriver here (.ci/run installs them with apt-get where it can)',
+                allow_module_level=True)
+
+SHAPES = {  # digit: a function drawing it into a box (left, top, right, bottom) with a pen of some width
+    0: lambda draw, box, width: draw.ellipse(box, outline=0, width=width),
+    1: lambda draw, box, width: draw.line(((box[0] + box[2]) // 2, box[1], (box[0] + box[2]) // 2, box[3]), 0, width),
+    7: lambda draw, box, width: draw.line((box[0], box[1], box[2], box[1], (box[0] + box[2]) // 2, box[3]), 0, width,
+                                          joint='curve'),
+}
+
+
+def drawn(digit, rng):
+    image = Image.new('L', (rng.randint(120, 300), rng.randint(120, 300)), 255)
+    height = rng.randint(60, min(image.size) - 10)
+    width = height * (rng.uniform(0.5, 0.8) if digit != 1 else 0.2)
+    left, top = rng.randint(0, int(image.width - width)), rng.randint(0, image.height - height)
+    SHAPES[digit](ImageDraw.Draw(image), (left, top, int(left + width), top + height), rng.randint(3, 20))
+    buffer = io.BytesIO()
+    image.save(buffer, 'PNG')
+    return buffer.getvalue()
+
+
+@pytest.fixture(scope='module')
+def model_file(tmp_path_factory):
+    import serve
+    rng = random.Random(0)
+    torch.manual_seed(0)
+    labels = [digit for digit in SHAPES for _ in range(150)]
+    images = torch.cat([serve.preprocess(drawn(digit, rng)) for digit in labels])
+    labels = torch.tensor(labels)
+    model = common.SimpleCNN()
+    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    for step in range(150):
+        batch = torch.randint(0, len(labels), (64,))
+        loss = torch.nn.functional.cross_entropy(model(images[batch]), labels[batch])
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    path = tmp_path_factory.mktemp('model') / 'best_model.pth'
+    torch.save(model.state_dict(), path)
+    return path
+
+
+@pytest.fixture(scope='module')
+def page(model_file):
+    port = free_port()
+    proc, reader = start([sys.executable, ROOT / 'serve.py', '--model', model_file, '--port', str(port)])
+    reader.wait_for(lambda line: line.startswith('Serving'), timeout=60)
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in ('--headless=new', '--no-sandbox', '--disable-dev-shm-usage', '--window-size=1000,800'):
+        options.add_argument(flag)
+    browser = webdriver.Chrome(options=options, service=webdriver.ChromeService(executable_path=DRIVER))
+    try:
+        browser.get(f'http://127.0.0.1:{port}/')
+        yield browser
+    finally:
+        browser.quit()
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def shown(browser, expected):
+    """The digit the page settles on (it may still be answering the strokes before the last)."""
+    from selenium.webdriver.support.ui import WebDriverWait
+    try:
+        WebDriverWait(browser, 20).until(lambda b: b.find_element('id', 'digit').text == str(expected))
+    except Exception:
+        pass
+    return browser.find_element('id', 'digit').text
+
+
+def bars(browser):
+    return [float(browser.find_element('css selector', f'#bar-{d} small').text.rstrip('%')) for d in range(10)]
+
+
+def stroke(browser, points):
+    """Draw one stroke through points given in the canvas's own 280x280 pixels."""
+    from selenium.webdriver.common.action_chains import ActionChains
+    pad = browser.find_element('id', 'pad')
+    scale = pad.size['width'] / 280
+    offset = lambda x, y: (int((x - 140) * scale), int((y - 140) * scale))  # from the element's centre
+    actions = ActionChains(browser, duration=10).move_to_element_with_offset(pad, *offset(*points[0])).click_and_hold()
+    previous = points[0]
+    for point in points[1:]:
+        actions.move_by_offset(*(a - b for a, b in zip(offset(*point), offset(*previous))))
+        previous = point
+    actions.release().perform()
+
+
+@pytest.mark.parametrize('digit, strokes', [
+    (1, [[(140, 50), (140, 120), (141, 180), (141, 235)]]),
+    (0, [[(140 + 55 * __import__('math').sin(t / 10), 140 - 85 * __import__('math').cos(t / 10))
+          for t in range(0, 64, 2)]]),
+    (7, [[(80, 60), (200, 60), (170, 130), (140, 235)]]),
+])
+def test_drawing_a_digit_shows_it_and_its_probabilities(page, digit, strokes):
+    page.find_element('id', 'clear').click()
+    assert page.find_element('id', 'digit').text == ''
+    for points in strokes:
+        stroke(page, points)
+    assert shown(page, digit) == str(digit), page.find_element('id', 'status').text
+    probabilities = bars(page)
+    assert sum(probabilities) == pytest.approx(100, abs=1) and max(probabilities) == probabilities[digit]
+    assert page.find_element('id', 'status').text == f'It looks like a {digit}.'
+
+
+def test_uploading_a_file_shows_its_digit_and_a_blank_one_says_why(page, tmp_path):
+    path = tmp_path / 'seven.png'
+    path.write_bytes(drawn(7, random.Random(5)))
+    page.find_element('id', 'clear').click()
+    page.find_element('id', 'file').send_keys(str(path))
+    assert shown(page, 7) == '7'
+    Image.new('RGB', (100, 100), 'white').save(tmp_path / 'blank.png')
+    page.find_element('id', 'file').send_keys(str(tmp_path / 'blank.png'))
+    from selenium.webdriver.support.ui import WebDriverWait
+    WebDriverWait(page, 20).until(lambda b: 'no digit' in b.find_element('id', 'status').text)
+    assert page.find_element('id', 'digit').text == ''
+    if os.environ.get('PAGE_SCREENSHOT'):  # to look at it: PAGE_SCREENSHOT=/tmp/page.png
+        page.save_screenshot(os.environ['PAGE_SCREENSHOT'])
+
+
+def test_the_page_needs_nothing_from_outside(page):
+    html = (ROOT / 'page' / 'index.html').read_text()
+    assert 'http://' not in html.replace('http://127', '') and 'https://' not in html and '//cdn' not in html
+    assert page.execute_script(
+        "return performance.getEntriesByType('resource').filter(r => !r.name.startsWith(location.origin)).length") == 0

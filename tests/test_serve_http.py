@@ -1,0 +1,346 @@
+"""serve.py as a service under real traffic: the request forms clients send, HTTP at its edges, slow and
+bursty clients, large images, redeploys (signals) and start-up errors. Real sockets, a real server process."""
+import base64
+import http.client
+import io
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image, ImageDraw
+
+import common
+from conftest import ROOT, free_port, run, start
+
+SERVE = ROOT / 'serve.py'
+
+
+@pytest.fixture(scope='module')
+def model_file(tmp_path_factory):
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp('model') / 'best_model.pth'
+    torch.save(common.SimpleCNN().state_dict(), path)
+    return path
+
+
+def serve(model_file, *flags):
+    port = free_port()
+    proc, reader = start([sys.executable, SERVE, '--model', model_file, '--port', str(port), *flags])
+    reader.wait_for(lambda line: line.startswith('Serving'), timeout=60)
+    return proc, reader, port
+
+
+@pytest.fixture(scope='module')
+def server(model_file):
+    proc, reader, port = serve(model_file, '--timeout', '2')
+    yield port, proc, reader
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+def png(seed=0, size=28):
+    buffer = io.BytesIO()
+    Image.fromarray(np.random.default_rng(seed).integers(0, 256, (size, size), dtype=np.uint8)).save(buffer, 'PNG')
+    return buffer.getvalue()
+
+
+def exchange(port, data, timeout=10, count=None):
+    """Send raw bytes on a new connection; return every reply the server sends until it closes or goes quiet."""
+    with socket.create_connection(('127.0.0.1', port), timeout=timeout) as s:
+        s.sendall(data)
+        return read_replies(s, count)
+
+
+def read_replies(s, count=None):
+    """[(status, headers, JSON body)] of the replies on a socket, and whether it closed: until it closes, goes
+    quiet, or count replies came."""
+    replies, buffer = [], b''
+    closed = False
+    while len(replies) != count:
+        while b'\r\n\r\n' in buffer:
+            head, _, rest = buffer.partition(b'\r\n\r\n')
+            lines = head.decode().split('\r\n')
+            headers = dict(line.lower().split(': ', 1) for line in lines[1:])
+            length = int(headers['content-length'])
+            if len(rest) < length and not closed:
+                break
+            replies.append((int(lines[0].split()[1]), headers, json.loads(rest[:length]) if length else None))
+            buffer = rest[length:]
+        if closed or len(replies) == count:
+            return replies, closed
+        try:
+            data = s.recv(65536)
+        except socket.timeout:
+            return replies, False
+        closed = not data
+        buffer += data
+
+
+def post(port, body, headers=None):
+    connection = http.client.HTTPConnection('127.0.0.1', port, timeout=30)
+    connection.request('POST', '/predict', body=body, headers=headers or {})
+    response = connection.getresponse()
+    return response.status, json.loads(response.read())
+
+
+def expected(model_file, *images):
+    import serve as serve_module
+    model = serve_module.load_model(model_file)
+    digits, probabilities = serve_module.predict(model, torch.cat([serve_module.preprocess(i) for i in images]))
+    return [{'digit': d, 'probabilities': pytest.approx(p, abs=1e-6)} for d, p in zip(digits, probabilities)]
+
+
+def multipart(*files, field='file'):
+    boundary = '----form-boundary-7MA4YWxkTrZu0gW'
+    body = b''.join(f'--{boundary}\r\nContent-Disposition: form-data; name="note"\r\n\r\nhello\r\n'.encode() +
+                    f'--{boundary}\r\nContent-Disposition: form-data; name="{field}{k}"; filename="d{k}.png"\r\n'
+                    f'Content-Type: image/png\r\n\r\n'.encode() + data + b'\r\n' for k, data in enumerate(files))
+    return body + f'--{boundary}--\r\n'.encode(), {'Content-Type': f'multipart/form-data; boundary={boundary}'}
+
+
+def test_every_request_form_gets_the_same_answer(server, model_file, tmp_path):
+    port = server[0]
+    image, other = png(1), png(2)
+    one, two = expected(model_file, image)[0], expected(model_file, image, other)
+    encoded = base64.b64encode(image).decode()
+    assert post(port, image, {'Content-Type': 'image/png'}) == (200, one)
+    assert post(port, *multipart(image)) == (200, one)
+    assert post(port, json.dumps({'image': encoded})) == (200, one)  # no Content-Type, as curl -d sends it
+    assert post(port, json.dumps({'image': 'data:image/png;base64,' + encoded}),
+                {'Content-Type': 'application/json'}) == (200, one)
+    # Several images: a list, from one forward pass (the batch's own probabilities).
+    assert post(port, *multipart(image, other)) == (200, {'predictions': two})
+    assert post(port, json.dumps({'images': [encoded, base64.b64encode(other).decode()]})) == (200, {'predictions': two})
+    # Chunked, as a client streaming a file sends it.
+    connection = http.client.HTTPConnection('127.0.0.1', port, timeout=30)
+    connection.request('POST', '/predict', body=iter([image[:100], image[100:]]), encode_chunked=True)
+    response = connection.getresponse()
+    assert (response.status, json.loads(response.read())) == (200, one)
+    # curl, as the README shows it.
+    if shutil.which('curl'):
+        (tmp_path / 'digit.png').write_bytes(image)
+        for flags in (['-F', f'file=@{tmp_path / "digit.png"}'], ['--data-binary', f'@{tmp_path / "digit.png"}']):
+            reply = subprocess.run(['curl', '-s', *flags, f'http://127.0.0.1:{port}/predict'], capture_output=True,
+                                   text=True, timeout=30).stdout
+            assert json.loads(reply) == one
+
+
+@pytest.mark.parametrize('body, headers, message', [
+    (json.dumps({'picture': 'x'}), {}, 'the JSON body is not {"image": "<base64>"}'),
+    (json.dumps({'image': '%%% not base64'}), {}, 'the JSON body is not'),
+    (b'--b\r\nContent-Disposition: form-data; name="a"\r\n\r\ntext\r\n--b--\r\n',
+     {'Content-Type': 'multipart/form-data; boundary=b'}, 'the form holds no file'),
+    (b'plain words', {'Content-Type': 'text/plain'}, 'not an image Pillow can read'),
+])
+def test_an_unrecognised_body_gets_400_naming_the_accepted_forms(server, body, headers, message):
+    status, reply = post(server[0], body, headers)
+    assert status == 400 and message in reply['error']
+    assert 'curl --data-binary @digit.png' in reply['error'] and 'curl -F file=@digit.png' in reply['error']
+
+
+def test_a_bad_image_among_several_is_named(server):
+    status, reply = post(server[0], *multipart(png(1), b'not an image'))
+    assert status == 400 and reply['error'].startswith('image 2 of 2: the body is not an image')
+    status, reply = post(server[0], json.dumps({'images': [base64.b64encode(png(1)).decode()] * 17}))
+    assert status == 413 and 'at most 16 are served at once' in reply['error']
+
+
+@pytest.mark.parametrize('raw, status, message', [
+    (b'POST /predict HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n', 400, 'Content-Length'),
+    (b'POST /predict HTTP/1.1\r\nHost: x\r\n\r\n', 411, 'the request has no Content-Length'),
+    (b'POST /predict HTTP/1.1\r\nHost: x\r\nContent-Length: 20000000\r\n\r\n', 413, 'at most 10485760'),
+    (b'GET /health?' + b'a' * 70000 + b' HTTP/1.1\r\nHost: x\r\n\r\n', 414, 'the URL is over 8192 bytes'),
+    (b'GET /health HTTP/1.1\r\nHost: x\r\nX-Big: ' + b'a' * 20000 + b'\r\n\r\n', 431, 'the headers are over'),
+    (b'BREW /predict HTTP/1.1\r\nHost: x\r\n\r\n', 501, 'the method is not served'),
+    (b'POST /predict HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip\r\n\r\n', 501, 'Transfer-Encoding'),
+    (b'GET /health HTTP/1.1 extra\r\n\r\n', 400, 'the request is malformed'),
+    (b'GARBAGE\r\n\r\n', 501, 'the method is not served'),
+    (b'PUT /predict HTTP/1.1\r\nHost: x\r\n\r\n', 405, '/predict takes POST'),
+])
+def test_every_request_gets_a_json_reply(server, raw, status, message):
+    replies, _ = exchange(server[0], raw, count=1)
+    assert len(replies) == 1 and replies[0][0] == status and message in replies[0][2]['error'], replies
+
+
+def test_head_and_options(server):
+    connection = http.client.HTTPConnection('127.0.0.1', server[0], timeout=30)
+    connection.request('HEAD', '/health')
+    response = connection.getresponse()
+    assert response.status == 200 and response.read() == b'' and int(response.headers['content-length']) > 0
+    connection.request('OPTIONS', '/predict')  # the same connection: HEAD's reply had no body
+    response = connection.getresponse()
+    assert response.status == 200 and response.headers['allow'] == 'POST, OPTIONS' == json.loads(response.read())['allow']
+
+
+@pytest.mark.parametrize('first', [
+    b'POST /predict/ HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\nhello',  # 404 with its body unread
+    b'POST /health HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n',  # 405
+    b'POST /predict HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\nhello',  # 400, not an image
+    b'POST /predict HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n',  # 400, chunked
+])
+def test_a_kept_alive_connection_stays_usable_after_an_error(server, first):
+    replies, closed = exchange(server[0], first + b'GET /health HTTP/1.1\r\nHost: x\r\n\r\n', timeout=3)
+    assert [status for status, _, _ in replies][1:] == [200] and replies[0][0] in (400, 404, 405), replies
+    assert replies[1][2]['status'] == 'ok' and not closed
+
+
+def test_a_whole_request_has_one_deadline_however_slowly_it_trickles(server):
+    port, _, reader = server  # --timeout 2
+    for head in (b'GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: ' + b'a' * 60,  # headers, a byte at a time
+                 b'POST /predict HTTP/1.1\r\nHost: x\r\nContent-Length: 200\r\n\r\n' + b'x' * 60):  # the body
+        with socket.create_connection(('127.0.0.1', port), timeout=10) as s:
+            sent, started = 0, time.monotonic()
+            s.sendall(head[:-60])
+            try:
+                for byte in head[-60:]:  # 60 bytes 0.1 s apart: each read is quick, the whole takes 6 s
+                    s.sendall(bytes([byte]))
+                    sent += 1
+                    time.sleep(0.1)
+            except OSError:  # the server closed the connection
+                pass
+            replies, closed = read_replies(s)
+        assert closed and [status for status, _, _ in replies] == [408], replies
+        assert 'did not arrive whole within 2s' in replies[0][2]['error']
+        assert sent < 60, 'cut off before the client finished'
+    # A connection that sends nothing is closed at the deadline too.
+    with socket.create_connection(('127.0.0.1', port), timeout=10) as s:
+        assert s.recv(100) == b''
+
+
+def test_connections_cost_no_threads_and_bursts_are_not_dropped(server):
+    port, proc, _ = server
+    threads = lambda: int(re.search(r'^Threads:\s+(\d+)', open(f'/proc/{proc.pid}/status').read(), re.M).group(1))
+    before = threads()
+    held = [socket.create_connection(('127.0.0.1', port), timeout=30) for _ in range(200)]
+    for s in held:
+        s.sendall(b'GET /health HTTP/1.1\r\nHost: x\r\n')  # headers begun, never finished
+    time.sleep(0.5)
+    assert threads() == before, '200 held connections, no new threads'
+    for s in held:
+        s.sendall(b'\r\n')
+    assert all(read_replies(s, count=1)[0][0][0] == 200 for s in held)
+    for s in held:
+        s.close()
+    # The listen backlog: room for a burst of new connections (socketserver's default is 5).
+    listening = subprocess.run(['ss', '-ltnH', f'sport = :{port}'], capture_output=True, text=True).stdout
+    if listening:
+        assert int(listening.split()[2]) >= 128, listening
+
+
+def test_large_images_are_decoded_reduced(tmp_path):
+    import serve as serve_module
+    for size, mode, fmt in ((4096, 'RGBA', 'PNG'), (8000, 'RGB', 'JPEG'), (3000, 'P', 'GIF')):
+        image = Image.new(mode, (size, size // 2), 'white')
+        ImageDraw.Draw(image).ellipse((size // 3, size // 8, size * 2 // 3, size * 3 // 8), outline='black',
+                                      width=size // 30)
+        buffer = io.BytesIO()
+        image.save(buffer, fmt)
+        decoded = serve_module.decode(buffer.getvalue())
+        assert max(decoded.size) <= 2 * serve_module.WORK_SIDE, (fmt, decoded.size)
+        assert serve_module.preprocess(buffer.getvalue()).shape == (1, 1, 28, 28)
+    buffer = io.BytesIO()
+    Image.new('L', (40_000_000, 1)).save(buffer, 'PNG')  # 40 megapixels in a few KB
+    with pytest.raises(serve_module.Refused, match='at most 16777216 are served'):
+        serve_module.decode(buffer.getvalue())
+
+
+def test_eight_largest_images_at_once_stay_under_the_memory_bound(model_file):
+    proc, reader, port = serve(model_file)
+    image = Image.new('RGBA', (4096, 4096), 'white')
+    ImageDraw.Draw(image).ellipse((1300, 1000, 2800, 3000), outline='black', width=160)
+    buffer = io.BytesIO()
+    image.save(buffer, 'PNG')
+    peak, done = [], threading.Event()
+
+    def sample():
+        while not done.is_set():
+            peak.append(sum(int(line.split()[1]) for line in open(f'/proc/{proc.pid}/smaps_rollup')
+                            if line.startswith('Pss:')) * 1024)
+            time.sleep(0.02)
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    results = []
+    clients = [threading.Thread(target=lambda: results.append(post(port, buffer.getvalue())[0])) for _ in range(8)]
+    for client in clients:
+        client.start()
+    for client in clients:
+        client.join()
+    done.set()
+    sampler.join()
+    proc.terminate()
+    proc.wait(timeout=30)
+    assert results == [200] * 8
+    assert max(peak) < 1.5 * 2**30, f'peak PSS {max(peak) / 2**20:.0f} MiB'
+
+
+@pytest.mark.parametrize('sig, name', [(signal.SIGTERM, 'SIGTERM'), (signal.SIGINT, 'SIGINT')])
+def test_a_stop_answers_the_requests_in_progress_then_exits_0(model_file, sig, name):
+    proc, reader, port = serve(model_file)
+    image = png(3)
+    with socket.create_connection(('127.0.0.1', port), timeout=30) as s, \
+            socket.create_connection(('127.0.0.1', port), timeout=30) as idle:
+        s.sendall(b'POST /predict HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n' % len(image) + image[:40])
+        idle.sendall(b'GET /health HTTP/1.1\r\nHost: x\r\n\r\n')
+        assert read_replies(idle, count=1)[0][0][0] == 200
+        time.sleep(0.3)  # the server has the first request's headers
+        proc.send_signal(sig)
+        line = reader.wait_for(lambda line: line.startswith('Stopping'))
+        assert line == f'Stopping on {name}: accepting no new connections, answering the requests in progress (1) ' \
+                       f'within 30s.\n'
+        for _ in range(200):  # the listening socket closes within the server's next tick
+            try:
+                socket.create_connection(('127.0.0.1', port), timeout=5).close()
+                time.sleep(0.05)
+            except ConnectionRefusedError:
+                break
+        else:
+            raise AssertionError('still accepting connections 10 s after the signal')
+        s.sendall(image[40:])  # the rest of the request, after the signal
+        replies, closed = read_replies(s)
+        assert [status for status, _, _ in replies] == [200] and closed
+        assert idle.recv(100) == b'', 'an idle kept-alive connection is closed'
+    assert proc.wait(timeout=30) == 0
+    assert 'Traceback' not in reader.rest()
+
+
+@pytest.mark.parametrize('flags, message', [
+    (['--port', '70000'], 'error: --port 70000 is not a port: pass one from 1 to 65535 (or 0 for any free one).'),
+    (['--host', 'no-such-host.invalid'], 'error: cannot listen on no-such-host.invalid: no such address on this machine'),
+    (['--port', 'IN_USE'], 'Address already in use); pass another --port, or stop what is using it.'),
+])
+def test_start_up_errors_are_one_line(model_file, flags, message):
+    with socket.socket() as taken:
+        taken.bind(('127.0.0.1', 0))
+        taken.listen()
+        flags = [str(taken.getsockname()[1]) if flag == 'IN_USE' else flag for flag in flags]
+        returncode, stdout, stderr = run([sys.executable, SERVE, '--model', model_file, *flags], check=False,
+                                         timeout=60)
+    assert returncode == 1 and message in stderr and len(stderr.strip().splitlines()) == 1, stderr
+
+
+def test_ipv6(model_file):
+    try:
+        socket.socket(socket.AF_INET6).bind(('::1', 0))
+    except OSError:
+        pytest.skip('no IPv6 loopback here')
+    port = free_port()
+    proc, reader = start([sys.executable, SERVE, '--model', model_file, '--host', '::1', '--port', str(port)])
+    try:
+        assert reader.wait_for(lambda line: line.startswith('Serving'), timeout=60).startswith(
+            f'Serving {model_file} on http://[::1]:{port} ')
+        connection = http.client.HTTPConnection('::1', port, timeout=30)
+        connection.request('GET', '/health')
+        assert connection.getresponse().status == 200
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

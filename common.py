@@ -168,6 +168,7 @@ def _extract_archives(raw_folder, missing):
     failure = ''
     for name in [n for n in missing if os.path.isfile(os.path.join(raw_folder, n + '.gz'))]:
         archive, target = os.path.join(raw_folder, name + '.gz'), os.path.join(raw_folder, name)
+        _writing.add(target + '.tmp')
         try:
             with gzip.open(archive) as src, open(target + '.tmp', 'wb') as dst:
                 shutil.copyfileobj(src, dst)
@@ -179,6 +180,7 @@ def _extract_archives(raw_folder, missing):
         finally:
             with contextlib.suppress(OSError):
                 os.remove(target + '.tmp')
+            _writing.discard(target + '.tmp')
     return failure
 
 
@@ -191,6 +193,7 @@ def _download(data_dir, raw_folder, missing):
     try:
         os.makedirs(raw_folder, exist_ok=True)
         staging = tempfile.mkdtemp(prefix='.download-', dir=raw_folder)
+        _writing.add(staging)
     except OSError as e:
         raise SetupError(f'cannot create {raw_folder} to download MNIST into ({e.strerror}).'
                          + _laptop_hint(data_dir)) from None
@@ -217,6 +220,7 @@ def _download(data_dir, raw_folder, missing):
     finally:
         socket.setdefaulttimeout(old_timeout)
         shutil.rmtree(staging, ignore_errors=True)
+        _writing.discard(staging)
     return error
 
 
@@ -265,7 +269,7 @@ class TensorLoader:
 
 CHECKPOINT_KEYS = {'model', 'optimizer', 'epochs_done', 'best_val_accuracy', 'best_epoch'}
 TRAINING_FLAGS = {'lr': '--lr', 'batch_size': '--batch-size', 'seed': '--seed'}  # they change the result
-_writing = set()  # the temporary files save_atomic is writing now: a stop removes them
+_writing = set()  # the temporary files and folders being written now (saves, downloads): a stop removes them
 
 
 def save_atomic(obj, path):
@@ -390,7 +394,7 @@ def stop_on_signals(args, main_process=True):
     def stop(signum, frame):
         for path in list(_writing):
             with contextlib.suppress(OSError):
-                os.remove(path)
+                shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
         if main_process:
             try:
                 checkpoint_path = os.path.join(args.output_dir, 'checkpoint.pth')

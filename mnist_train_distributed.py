@@ -13,6 +13,7 @@ runs/mnist_experiment. --epochs is a total: epochs done before a restart count.
 """
 import argparse
 import os
+import re
 import socket
 import sys
 import time
@@ -69,6 +70,9 @@ def parse_args():
                         help='ignore <output-dir>/checkpoint.pth and start from epoch 0 (default: resume)')
     parser.add_argument('--debug', action='store_true', help='show tracebacks for set-up errors (default: off)')
     return parser.parse_args()
+
+
+job_store = None  # the job's key-value store, once joined: a surviving rank asks it who is gone
 
 
 def ddp_setup(args):
@@ -132,9 +136,8 @@ def join(rank, world_size, device, timeout):
         raise common.SetupError(f'rank {rank} could not reach the job at {address} within {timeout:.0f}s '
                                 f'({str(e).splitlines()[0][:200]}). Check that MASTER_ADDR and MASTER_PORT name '
                                 f'rank 0\'s node and that its job started; --join-timeout sets the wait.') from None
-    # Keys kept apart per restart attempt: torch 2.14's torchrun keeps one store across --max-restarts,
-    # where a restarted rank would otherwise find the dead attempt's keys.
-    store = dist.PrefixStore(f'attempt_{os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")}', store)
+    if os.environ.get('TORCHELASTIC_USE_AGENT_STORE') == 'True':
+        store = attempt_store(store, rank, world_size, timeout)
     gpu = 'cpu'
     if device.type == 'cuda':  # torch 2.3 has no uuid: then the GPU's place among the visible ones
         gpu = str(getattr(torch.cuda.get_device_properties(device), 'uuid', '') or
@@ -150,11 +153,44 @@ def join(rank, world_size, device, timeout):
                                 f'started with the same MASTER_ADDR, MASTER_PORT and WORLD_SIZE; --join-timeout '
                                 f'sets the wait.') from None
     store.set_timeout(timedelta(minutes=30))  # from here on, waits are for work (a download), not for ranks
+    global job_store
+    job_store = store
     if device.type == 'cuda':
         message = shared_gpus([store.get(key).decode() for key in keys])
         if message:
             raise common.SetupError(message)
     return store
+
+
+def attempt_store(agent_store, rank, world_size, timeout):
+    """A store of this restart attempt's own, served by rank 0; its port is passed on through torchrun's.
+
+    torchrun's store outlives restarts (torch 2.4+ shares one across rendezvous rounds), and with
+    --rdzv_backend=c10d the nodes' TORCHELASTIC_RESTART_COUNT differ after a membership change: no prefix
+    both agree on. In a dead attempt's keys a restarted rank would find dead addresses (a Gloo "Connection
+    refused", an NCCL hang). Each attempt's store takes its world's arrivals once: one that has had them all
+    is a dead attempt's (its rank 0 may not have exited yet), and its port is read again.
+    """
+    host = os.environ['MASTER_ADDR']
+    if rank == 0:
+        store = dist.TCPStore(host, 0, world_size, is_master=True, timeout=timedelta(seconds=timeout),
+                              wait_for_workers=False)
+        store.add('arrivals', 1)
+        agent_store.set('mnist/attempt_store_port', str(store.port))
+        return store
+    deadline = time.monotonic() + timeout
+    while True:
+        port = int(agent_store.get('mnist/attempt_store_port'))  # waits, within the timeout, for a first one
+        try:
+            socket.create_connection((host, port), timeout=5).close()  # quietly, before TCPStore's noisy retries
+            store = dist.TCPStore(host, port, world_size, is_master=False, timeout=timedelta(seconds=timeout))
+            if store.add('arrivals', 1) <= world_size:
+                return store
+        except (OSError, RuntimeError):  # a dead attempt's port, or its rank 0 exiting now
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f'no store of this attempt at {host} within {timeout:.0f}s')
+        time.sleep(0.2)
 
 
 def shared_gpus(placements):
@@ -168,6 +204,23 @@ def shared_gpus(placements):
     where = '; '.join(f'ranks {", ".join(map(str, ranks))} on one GPU of {host}' for host, ranks in shared)
     return (f'two processes landed on the same GPU ({where}). Start one process per GPU: --nproc_per_node at '
             f'most the GPUs of each node, and each node of the job on a host of its own.')
+
+
+def peer_lost(error, epoch, rank, world_size):
+    """The paragraph a surviving rank stops with when a collective fails: which ranks are gone, and what next."""
+    cause = re.sub(r'^\[[^]]*\] ', '', str(error).splitlines()[0]).split('. ')[0][:160]  # less the source file
+    if job_store is None or not re.search(r'onnect|peer|NCCL|[Tt]imed out|closed', cause):
+        return error  # not a lost peer: the traceback says what it is
+    try:  # the ranks still here say so; the others are gone
+        job_store.set(f'alive/{epoch}/{rank}', '1')
+        time.sleep(2)
+        gone = [r for r in range(world_size) if not job_store.check([f'alive/{epoch}/{r}'])]
+    except Exception:  # the store went with rank 0, its host
+        gone = [0]
+    return common.SetupError(
+        f'rank {rank} lost rank{"s" * (len(gone) > 1)} {", ".join(map(str, gone)) or "?"} of {world_size} during '
+        f'epoch {epoch} ({cause}): its process or node is gone. A torchrun started with --max-restarts restarts '
+        f'the job now; otherwise start the same command again on every node. Either resumes from epoch {epoch}.')
 
 
 def on_ranks(selected, fn, *args):
@@ -278,8 +331,11 @@ def main(args):
     for epoch in range(start_epoch, num_epochs):
         epoch_start = time.perf_counter()
         train_sampler.set_epoch(epoch)  # a new order each epoch, the same one after a restart
-        train(model, train_loader, optimizer, criterion, epoch, device, writer, args.log_interval, rank, local_rank, world_size)
-        val_loss, val_accuracy = validate(model, val_loader, criterion, device, writer, epoch, rank)
+        try:
+            train(model, train_loader, optimizer, criterion, epoch, device, writer, args.log_interval, rank, local_rank, world_size)
+            val_loss, val_accuracy = validate(model, val_loader, criterion, device, writer, epoch, rank)
+        except RuntimeError as e:  # DistBackendError too: a collective failed
+            raise peer_lost(e, epoch, rank, world_size) from None
         if rank != 0:
             continue  # rank 0 alone logs and saves
         # Save the model with the best validation accuracy, then the checkpoint (logs first)

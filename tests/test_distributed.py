@@ -10,6 +10,7 @@ import os
 import re
 import signal
 import threading
+import time
 
 import pytest
 import torch
@@ -165,6 +166,54 @@ def test_a_killed_worker_is_restarted_and_resumes(mnist_big_dir, tmp_path):
     steps = [s for s, _ in scalars['Loss/train']]
     assert steps == sorted(set(steps)) and len(steps) == 3 * 5  # 100 batches per rank, every 20th
     assert torch.load(out / 'checkpoint.pth', weights_only=True)['epochs_done'] == 3
+
+
+def wait_in(readers, pattern, timeout=120):
+    """The first match of pattern in the output of any of the readers (two launchers' outputs)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for reader in readers:
+            match = re.search(pattern, reader.drain(), re.M)
+            if match:
+                return match
+        time.sleep(0.05)
+    raise AssertionError(f'no {pattern!r} in:\n' + '\n---\n'.join(reader.drain() for reader in readers))
+
+
+@pytest.mark.parametrize('rendezvous, victim', [('static', 0), ('c10d', 1), ('c10d', 0)])
+def test_two_nodes_restart_once_whichever_worker_dies(rendezvous, victim, mnist_big_dir, tmp_path):
+    if rendezvous == 'c10d' and torch.__version__ < '2.4':
+        pytest.skip("torch 2.3's elastic agent closes a c10d rendezvous on restart (pytorch/pytorch#123678)")
+    out, port = tmp_path / 'out', free_port()
+    nodes = []
+    for node in (0, 1):  # two launchers, one process each: two "nodes" on loopback
+        where = ([f'--rdzv_backend=c10d', f'--rdzv_endpoint=127.0.0.1:{port}', '--rdzv_id=restart-test']
+                 if rendezvous == 'c10d' else [f'--node_rank={node}', '--master_addr=127.0.0.1', f'--master_port={port}'])
+        nodes.append(start(torchrun('--nnodes=2', '--nproc_per_node=1', *where, '--max-restarts=1', SCRIPT,
+                                    '--data-dir', mnist_big_dir, '--output-dir', out, '--epochs', '3',
+                                    '--log-interval', '20')))
+    readers = [reader for _, reader in nodes]
+    pid = int(wait_in(readers, rf'^Rank {victim}/2 \(local rank 0, pid (\d+)\)').group(1))
+    wait_in(readers, rf'^Rank: {victim}, Local_Rank: 0 -- Train Epoch: 1 \[0/')
+    os.kill(pid, signal.SIGSTOP)  # frozen mid-epoch: no rank can finish epoch 1 without it
+    assert not any('Epoch 1 done' in reader.drain() for reader in readers), 'the kill came after epoch 1 ended'
+    os.kill(pid, signal.SIGKILL)
+    outputs = [reader.rest(timeout=240) for reader in readers]
+    assert [proc.returncode for proc, _ in nodes] == [0, 0], outputs
+    output = next(o for o in outputs if 'Training complete' in o)  # rank 0's node, after the restart
+    before, resumed, after = output.partition('Resuming from epoch 1 ')
+    assert resumed, output
+    assert re.findall(r'^Epoch (\d) done', before, re.M) == ['0']
+    assert re.findall(r'^Epoch (\d) done', after, re.M) == ['1', '2']
+    assert len(re.findall(r'^Validation Loss', after, re.M)) == 2, 'each epoch after the resume validated once'
+    assert [s for s, _ in read_scalars(out / 'runs' / 'mnist_experiment')['Accuracy/validation']] == [0, 1, 2]
+    # The survivor: one paragraph (or the one line of a stop by its launcher), no traceback of ours.
+    for text in outputs:
+        assert 'Traceback' not in text and 'Error in sys.excepthook' not in text, text
+    lost = re.findall(r'^error: rank \d lost rank (\d) of 2 during epoch 1 \(.*\n', '\n'.join(outputs), re.M)
+    assert lost in ([], [str(victim)]), outputs
+    if rendezvous == 'static':
+        assert lost == [str(victim)], 'the static rendezvous restarts only when the survivor fails too'
 
 
 # --- Other launchers: plain python per node (Kubeflow, DLC), SLURM; waiting for the others ----------

@@ -2,14 +2,18 @@
 changed hyperparameters on resume, divergence, Ctrl-C and SIGTERM, a full disk, hand-made data folders,
 a device that is not there. Both scripts, run as users run them."""
 import gzip
+import http.server
 import re
 import signal
 import sys
+import threading
+import time
 
 import pytest
 import torch
 
-from conftest import ROOT, dist_cmd, free_port, make_mnist, run, script_env, start, torchrun, train_cmd
+import common
+from conftest import FILES, ROOT, dist_cmd, free_port, make_mnist, run, script_env, start, torchrun, train_cmd
 
 FAST = ('--lr', '0.1', '--batch-size', '16', '--log-interval', '10')
 OFFLINE = dict(http_proxy='http://127.0.0.1:9', https_proxy='http://127.0.0.1:9', no_proxy='')
@@ -146,6 +150,53 @@ def test_sigterm_to_torchrun_stops_every_rank_and_the_rerun_resumes(mnist_big_di
     assert sorted(p.name for p in out.iterdir()) == ['best_model.pth', 'checkpoint.pth', 'runs']
     _, stdout, _ = run(torchrun(*launch, f'--master_port={free_port()}', ROOT / 'mnist_train_distributed.py', *args))
     assert 'Resuming from epoch 1 ' in stdout and re.findall(r'^Epoch (\d) done', stdout, re.M) == ['1', '2']
+
+
+class SlowMirror(http.server.ThreadingHTTPServer):
+    """An MNIST mirror on localhost that sends each .gz file slowly: a download to stop in the middle."""
+
+    def __init__(self, mnist_dir):
+        files = {f'/{name}.gz': gzip.compress((mnist_dir / 'MNIST' / 'raw' / name).read_bytes()) for name in FILES}
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                data = files.get(self.path)
+                if data is None:
+                    return self.send_error(404)
+                self.send_response(200)
+                self.send_header('Content-Length', str(len(data)))
+                self.end_headers()
+                for start in range(0, len(data), 2048):
+                    self.wfile.write(data[start:start + 2048])
+                    time.sleep(0.05)
+
+            def log_message(self, *args):
+                pass
+        super().__init__(('127.0.0.1', 0), Handler)
+        self.daemon_threads = True
+        self.url = f'http://127.0.0.1:{self.server_port}/'
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+
+def test_a_stop_during_the_first_download_leaves_nothing_behind(mnist_big_dir, tmp_path):
+    mirror = SlowMirror(mnist_big_dir)
+    data, raw = tmp_path / 'data', tmp_path / 'data' / 'MNIST' / 'raw'
+    env = script_env(MNIST_MIRROR=mirror.url, **{**OFFLINE, 'no_proxy': '127.0.0.1'})
+    proc, reader = start(train_cmd('--data-dir', data, '--output-dir', tmp_path / 'out'), env=env)
+    deadline = time.monotonic() + 60
+    while not list(raw.glob('.download-*/*')) and time.monotonic() < deadline:  # a file half downloaded
+        time.sleep(0.05)
+    assert list(raw.glob('.download-*/*')), reader.drain()
+    proc.send_signal(signal.SIGTERM)
+    output = reader.rest(timeout=60)
+    mirror.shutdown()
+    assert proc.returncode == 143 and 'Traceback' not in output, output
+    assert output.rstrip().endswith('Stopped by SIGTERM, after 0 finished epochs: the same command resumes from '
+                                    'epoch 0.'), output
+    assert [p.name for p in raw.iterdir() if p.name.startswith('.') or p.suffix in ('.gz', '.tmp')] == [], \
+        'no staging folder, no partial file'
+    for path in raw.iterdir():  # what finished downloading is whole
+        assert common.check_idx_file(path) > 0
 
 
 # --- 4. A full disk ---------------------------------------------------------------------------------

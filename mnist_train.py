@@ -3,7 +3,7 @@
 Start command on DLC (upload common.py beside this script):
   python /mnt/data/mnist_train.py
 On your own machine:
-  python mnist_train.py --data-dir ./data --output-dir ./output
+  python mnist_train.py --data-dir ./data --output-dir ./output/single
 
 Writes to --output-dir: best_model.pth (the best model's state_dict), checkpoint.pth (the same
 command resumes from it) and TensorBoard logs in runs/mnist_experiment. --epochs is a total:

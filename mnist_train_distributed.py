@@ -5,7 +5,7 @@ MASTER_PORT, and NPROC_PER_NODE for nodes with several GPUs):
   torchrun --nproc_per_node=1 --nnodes=${WORLD_SIZE} --node_rank=${RANK} \\
       --master_addr=${MASTER_ADDR} --master_port=${MASTER_PORT} /mnt/data/mnist_train_distributed.py
 On your own machine (2 CPU processes):
-  torchrun --standalone --nproc_per_node=2 mnist_train_distributed.py --data-dir ./data --output-dir ./output
+  torchrun --standalone --nproc_per_node=2 mnist_train_distributed.py --data-dir ./data --output-dir ./output/distributed
 
 Global rank 0 writes to --output-dir: best_model.pth (the best model's state_dict, keys as in the
 single script), checkpoint.pth (the same command resumes from it) and TensorBoard logs in
@@ -165,7 +165,7 @@ def join(rank, world_size, device, timeout):
 def attempt_store(agent_store, rank, world_size, timeout):
     """A store of this restart attempt's own, served by rank 0; its port is passed on through torchrun's.
 
-    torchrun's store outlives restarts (torch 2.4+ shares one across rendezvous rounds), and with
+    torchrun's store outlives restarts (pytorch/pytorch#135712: shared across c10d rounds), and with
     --rdzv_backend=c10d the nodes' TORCHELASTIC_RESTART_COUNT differ after a membership change: no prefix
     both agree on. In a dead attempt's keys a restarted rank would find dead addresses (a Gloo "Connection
     refused", an NCCL hang). Each attempt's store takes its world's arrivals once: one that has had them all

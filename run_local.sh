@@ -13,9 +13,13 @@
 #   ./run_local.sh serve [FLAGS]       serve.py with ./output/single/best_model.pth on port 8000
 #   ./run_local.sh bench-serve [FLAGS] serve.py's latency, requests/s and memory, beside the http.server
 #                                      version it replaced (tests/bench_serve.py --help)
+#   ./run_local.sh bench-digits FLAGS  serve.py's accuracy on real MNIST digits drawn and photographed
+#                                      (tests/bench_digits.py --help; needs --model and --data-dir)
+#   ./run_local.sh mutants             mutation testing of common.py with its unit tests (mutmut)
+#   ./run_local.sh -h | --help         this text
 #
-# Examples: ./run_local.sh --epochs 1 --data-dir ../shared/data/mnist
-#           ./run_local.sh bench --data-dir ../shared/data/mnist
+# Examples: ./run_local.sh --epochs 1 --data-dir /path/to/mnist   (the files in /path/to/mnist/MNIST/raw)
+#           ./run_local.sh bench --data-dir /path/to/mnist
 # PYTHON picks the interpreter that makes the environments (default: python3); VENV, the environment
 # that runs the scripts (default: .venv).
 set -euo pipefail
@@ -34,6 +38,7 @@ venv() {
 }
 
 gpu_count() { "$PY" -c 'import torch; print(torch.cuda.device_count())'; }
+usage() { sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; }
 
 case "${1:-run}" in
 test)
@@ -56,6 +61,28 @@ serve)
     venv "${VENV:-.venv}" -r requirements.txt -r requirements-serve.txt
     exec "$PY" serve.py --model ./output/single/best_model.pth "$@"
     ;;
+mutants)
+    shift
+    # Mutation testing of common.py against its unit tests, in a scratch copy (mutmut writes mutants/
+    # beside the code it mutates); prints the mutants that no test kills.
+    venv .venv -r requirements-test.txt
+    "$PY" -m pip install --quiet --disable-pip-version-check 'mutmut>=3.8,<4'
+    work=$(mktemp -d)
+    mkdir "$work/tests"
+    cp common.py "$work/" && cp tests/conftest.py tests/test_common.py "$work/tests/"
+    printf '[mutmut]\nsource_paths = common.py\npytest_add_cli_args_test_selection = tests/test_common.py\n' \
+        > "$work/setup.cfg"
+    PY="$(pwd)/$PY"  # absolute, not resolved: the environment's own python
+    cd "$work"
+    "$PY" -m mutmut run "$@" || true
+    "$PY" -m mutmut results
+    echo "mutants and their diffs: cd $work && $PY -m mutmut show NAME"
+    ;;
+bench-digits)
+    shift
+    venv .venv -r requirements.txt -r requirements-serve.txt
+    exec "$PY" tests/bench_digits.py "$@"
+    ;;
 bench-serve)
     shift
     venv .venv -r requirements.txt -r requirements-serve.txt
@@ -75,6 +102,9 @@ gpu-check)
     "$PY" -m torch.distributed.run --standalone --nproc_per_node="$gpus" mnist_train_distributed.py \
         --backend nccl "${common[@]}" --output-dir ./output/gpu-check/distributed \
         | grep -E '^(Rank [0-9]+/|Validation|Epoch|Best)'
+    ;;
+-h | --help)
+    usage
     ;;
 run | -*)
     [ "${1:-}" = run ] && shift
@@ -106,7 +136,7 @@ run | -*)
     echo "TensorBoard: $(dirname "$PY")/tensorboard --logdir $out   (then open http://localhost:6006)"
     ;;
 *)
-    sed -n '2,/^set -euo/p' "$0" | sed '$d'  # the usage at the top of this file
+    usage >&2
     exit 2
     ;;
 esac

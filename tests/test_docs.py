@@ -1,0 +1,146 @@
+"""The README and docs/ say what the code does, where a machine can tell: the flags table, the quoted
+messages and log lines, the relative links, run_local.sh's own usage and the scripts' --help."""
+import ast
+import difflib
+import importlib
+import re
+import sys
+
+import pytest
+
+from conftest import ROOT, run
+
+DOCS = [ROOT / 'README.md', *sorted((ROOT / 'docs').glob('*.md'))]
+SOURCES = [ROOT / name for name in ('mnist_train.py', 'mnist_train_distributed.py', 'common.py', 'serve.py')]
+
+
+def code_strings():
+    """Every string literal of the code (adjacent ones joined, as Python joins them), each f-string field
+    marked by a NUL."""
+    strings = []
+    for path in SOURCES:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.JoinedStr):
+                strings.append(''.join(value.value if isinstance(value, ast.Constant) else '\x00'
+                                       for value in node.values))
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+                strings.append(node.value)
+    return strings
+
+
+# What a quoted line leaves to the reader: …, ..., <...>, and ALLCAPS placeholders (PATH, N, R of W, Ts).
+PLACEHOLDER = re.compile(r'…|\.\.\.|<[^>]+>|\b[A-Z]{1,7}s?\b')
+
+
+def occurs_in_code(quote, strings):
+    """Whether a quoted message is a part of some string of the code: the two agree everywhere except where
+    the code has a field (any value may stand there: cuda, 0.01, /mnt/data/output, an OS error's words)
+    or the quote a placeholder; the code may go on before and after the part quoted."""
+    quote = PLACEHOLDER.sub('\x00', quote)
+    quote = re.sub(r'(--[\w-]+) (?!is |was )[^\s,;)]+', '\\1 \x00', quote)  # a flag's value
+    quote = re.sub(r'[^\s(]*/[^\s),;]*|\b\d[\d.:]*\b', '\x00', quote)  # paths, numbers, addresses
+    wild = lambda text: set(text) <= set('\x00 ,;:()[]{}\'"')
+    width = min(10, max(len(chunk) for chunk in quote.split('\x00')))
+    chunks = [quote[i:i + width] for i in range(len(quote) - width + 1) if '\x00' not in quote[i:i + width]]
+    for code in strings:
+        if not any(chunk in code for chunk in chunks):
+            continue  # shares no run of literal characters with this string
+        opcodes = difflib.SequenceMatcher(None, quote, code, autojunk=False).get_opcodes()
+        first, last = 0, len(opcodes) - 1
+        if all(tag == 'equal' or (tag == 'insert' and (k in (first, last) or '\x00' in quote[max(0, i1 - 1):i1 + 1]
+                                                        or wild(code[j1:j2])))
+               or (tag in ('replace', 'delete') and ('\x00' in quote[i1:i2] or '\x00' in code[j1:j2]
+                                                      or (tag == 'delete' and wild(quote[i1:i2]))))
+               for k, (tag, i1, i2, j1, j2) in enumerate(opcodes)):
+            return True
+    return False
+
+
+def quoted_messages(doc):
+    """The messages a doc quotes: bold code spans (troubleshooting entries), and the first column of the
+    log-line table."""
+    text = doc.read_text()
+    quotes = re.findall(r'\*\*`([^`]+)`\*\*', text)
+    if doc.name == 'log-lines.md':
+        quotes += re.findall(r'^\| `([^`]+)` \|', text, re.M)
+    return quotes
+
+
+@pytest.mark.parametrize('doc', DOCS, ids=lambda path: str(path.relative_to(ROOT)))
+def test_every_quoted_message_and_log_line_occurs_in_the_code(doc):
+    strings = code_strings()
+    missing = [quote for quote in quoted_messages(doc) if not occurs_in_code(quote, strings)]
+    assert missing == [], f'{doc.name} quotes lines the code does not print: {missing}'
+
+
+def test_the_checker_catches_a_message_the_code_does_not_print():
+    strings = code_strings()
+    assert occurs_in_code('Resuming from epoch N (best accuracy so far x%)', strings)
+    assert not occurs_in_code('Resuming from step N (best accuracy so far x%)', strings)
+
+
+@pytest.mark.parametrize('doc', DOCS, ids=lambda path: str(path.relative_to(ROOT)))
+def test_every_relative_link_resolves(doc):
+    text = doc.read_text()
+    for target in re.findall(r'\]\(([^)\s]+)\)', text):
+        if re.match(r'[a-z]+:', target):
+            continue
+        path, _, anchor = target.partition('#')
+        file = (doc.parent / path).resolve() if path else doc
+        assert file.exists(), f'{doc.name}: {target}'
+        if anchor and file.suffix == '.md':
+            headings = [re.sub(r'[^\w\- ]', '', h).strip().lower().replace(' ', '-')
+                        for h in re.findall(r'^#+ (.*)$', file.read_text(), re.M)]
+            assert anchor in headings, f'{doc.name}: {target} (headings: {headings})'
+
+
+def readme_flags():
+    """{flag: default} of the README's flags table."""
+    table = (ROOT / 'README.md').read_text().split('## Flags')[1].split('\n## ')[0]
+    return dict(re.findall(r'^\| `(--[\w-]+)` \| ([^|]+?) \|', table, re.M))
+
+
+@pytest.mark.parametrize('module_name', ['mnist_train', 'mnist_train_distributed'])
+def test_the_flags_table_names_each_flag_with_its_default(module_name, monkeypatch):
+    script = importlib.import_module(module_name)
+    monkeypatch.setattr(sys, 'argv', [module_name])
+    defaults = vars(script.parse_args())
+    documented = readme_flags()
+    distributed_only = {'--backend', '--join-timeout'}
+    for flag in ['--' + name.replace('_', '-') for name in defaults]:
+        assert flag in documented, f'{flag} of {module_name} is not in the README'
+    for flag, default in documented.items():
+        name = flag[2:].replace('-', '_')
+        if flag in distributed_only and module_name == 'mnist_train':
+            assert name not in defaults
+            continue
+        value = defaults[name]
+        if isinstance(value, bool):
+            assert default == ('on' if value else 'off'), flag
+        elif flag == '--output-dir':
+            assert f'`{value}`' in (ROOT / 'README.md').read_text().split('## Flags')[1].split('\n## ')[0]
+        elif flag in ('--device', '--backend'):
+            assert value in (None, 'cpu', 'cuda') and ('cuda' in default), flag
+        else:
+            assert default.strip('`') == str(value).rstrip('0').rstrip('.') if isinstance(value, float) \
+                else default.strip('`') == str(value), (flag, default, value)
+
+
+def test_run_local_help_prints_its_own_usage():
+    for flag in ('--help', '-h'):
+        returncode, stdout, stderr = run(['bash', ROOT / 'run_local.sh', flag], check=False, timeout=30)
+        assert returncode == 0 and stdout.startswith('Run the two MNIST scripts') and 'usage: ' not in stdout
+        assert './run_local.sh test' in stdout and '../shared' not in stdout
+
+
+def test_the_scripts_help_examples_write_to_different_folders():
+    outputs = []
+    for script in ('mnist_train.py', 'mnist_train_distributed.py'):
+        _, stdout, _ = run([sys.executable, ROOT / script, '--help'])
+        outputs.append(re.search(r'^ +(?:python|torchrun) .*--output-dir (\S+)', stdout, re.M).group(1))
+    assert outputs[0] != outputs[1], outputs
+
+
+def test_no_developer_paths_in_user_facing_text():
+    for path in [*DOCS, ROOT / 'run_local.sh', *SOURCES]:
+        assert '../shared' not in path.read_text(), path.name

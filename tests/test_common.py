@@ -185,3 +185,51 @@ def test_positive_rejects_zero_negative_and_text():
     for text in ('0', '-1', 'x', '1.5'):
         with pytest.raises(argparse.ArgumentTypeError):
             parse(text)
+
+
+def test_positive_takes_the_smallest_values_and_names_the_bad_one():
+    assert common.positive(int)('1') == 1 and common.positive(float)('0.001') == 0.001
+    with pytest.raises(argparse.ArgumentTypeError, match=r"must be a positive int, got '0'"):
+        common.positive(int)('0')
+
+
+@pytest.mark.parametrize('name, damage, problem', [
+    ('train-images-idx3-ubyte', lambda data: b'\x00\x00\x08\x01' + data[4:], 'its header is not that of an MNIST image file'),
+    ('train-labels-idx1-ubyte', lambda data: b'\x00\x00\x08\x03' + data[4:], 'its header is not that of an MNIST label file'),
+    ('t10k-images-idx3-ubyte', lambda data: data[:8] + (29).to_bytes(4, 'big') + data[12:], 'its header is not'),
+    ('t10k-labels-idx1-ubyte', lambda data: data + b'\x00', r'\d+ bytes where its header calls for \d+'),
+    ('train-labels-idx1-ubyte', lambda data: data[:4] + data[4:8][::-1] + data[8:], r'\d+ bytes where its header calls for 335544328'),
+])
+def test_each_kind_of_damaged_file_is_told(name, damage, problem, tmp_path):
+    root = make_mnist(tmp_path, 20, 10)
+    path = root / 'MNIST' / 'raw' / name
+    path.write_bytes(damage(path.read_bytes()))
+    with pytest.raises(common.SetupError, match=rf'{name} is not a complete MNIST file: it is truncated or corrupt '
+                                                rf'\({problem}'):
+        common.check_idx_file(str(path))
+
+
+def test_check_idx_file_counts_the_items(tmp_path):
+    root = make_mnist(tmp_path, 20, 10)
+    assert common.check_idx_file(str(root / 'MNIST' / 'raw' / 'train-images-idx3-ubyte')) == 20
+    assert common.check_idx_file(str(root / 'MNIST' / 'raw' / 't10k-labels-idx1-ubyte')) == 10
+
+
+def test_save_atomic_registers_its_temporary_file_only_while_writing(tmp_path, monkeypatch):
+    path, seen = str(tmp_path / 'best_model.pth'), []
+    real_replace = os.replace
+    monkeypatch.setattr(common.os, 'replace', lambda src, dst: (seen.append(set(common._writing)), real_replace(src, dst)))
+    common.save_atomic({'a': torch.ones(1)}, path)
+    assert seen == [{path + '.tmp'}] and common._writing == set()
+
+
+def test_a_failed_save_names_the_file_and_the_reason_and_leaves_no_temporary_file(tmp_path, monkeypatch):
+    import errno
+    path = str(tmp_path / 'checkpoint.pth')
+    common.save_atomic({'epochs_done': 1}, path)
+    monkeypatch.setattr(common.os, 'fsync', lambda fd: (_ for _ in ()).throw(OSError(errno.ENOSPC, 'No space left')))
+    with pytest.raises(common.SetupError, match=rf'could not write {path} \(No space left\)\. The previous '
+                                                r'checkpoint.pth, if any, is left as it was'):
+        common.save_atomic({'epochs_done': 2}, path)
+    assert os.listdir(tmp_path) == ['checkpoint.pth'] and common._writing == set()
+    assert torch.load(path, weights_only=True) == {'epochs_done': 1}

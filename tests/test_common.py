@@ -233,3 +233,17 @@ def test_a_failed_save_names_the_file_and_the_reason_and_leaves_no_temporary_fil
         common.save_atomic({'epochs_done': 2}, path)
     assert os.listdir(tmp_path) == ['checkpoint.pth'] and common._writing == set()
     assert torch.load(path, weights_only=True) == {'epochs_done': 1}
+
+
+def test_a_file_too_short_for_a_header_is_told(tmp_path):
+    for size in (0, 5):  # not even the magic number and the count
+        path = tmp_path / 'train-labels-idx1-ubyte'
+        path.write_bytes(b'\x00\x00\x08\x01\x00'[:size])
+        with pytest.raises(common.SetupError, match='its header is not that of an MNIST label file'):
+            common.check_idx_file(str(path))
+
+
+def test_a_save_into_a_missing_folder_is_told_as_one_error(tmp_path):
+    path = str(tmp_path / 'gone' / 'best_model.pth')  # open() fails: there is no temporary file to remove
+    with pytest.raises(common.SetupError, match=rf'could not write {path} \(No such file or directory\)'):
+        common.save_atomic({'a': torch.ones(1)}, path)

@@ -361,8 +361,8 @@ class App:
                 with open(PAGE, 'rb') as f:
                     return 200, f.read(), {'content-type': 'text/html; charset=utf-8'}
             except FileNotFoundError:
-                raise Refused(404, f'the page is missing: upload page/index.html beside serve.py; POST /predict and '
-                                   f'GET /health work without it') from None
+                raise Refused(404, 'the page is missing: upload page/index.html beside serve.py; POST /predict and '
+                                   'GET /health work without it') from None
         headers = dict(scope['headers'])
         if b'content-length' not in headers and b'transfer-encoding' not in headers:
             raise Refused(411, f'the request has no Content-Length; {FORMS}')

@@ -21,17 +21,15 @@ import argparse
 import concurrent.futures
 import http.client
 import io
+import json
 import os
 import random
-import socket
-import subprocess
-import sys
 import tempfile
 
 import numpy as np
 from PIL import Image, ImageFilter
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from bench_serve import ROOT, Server, baseline_serve  # beside this file
 
 
 def encode(image, fmt='PNG', **options):
@@ -115,19 +113,7 @@ def kinds(digit, rng):
     }
 
 
-def serve(script, model):
-    with socket.socket() as s:
-        s.bind(('127.0.0.1', 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, script, '--model', model, '--port', str(port)], stdout=subprocess.PIPE,
-                            stderr=open(os.path.join(tempfile.gettempdir(), 'bench_digits_server.log'), 'w'),
-                            text=True, env=dict(os.environ, PYTHONPATH=ROOT))
-    assert proc.stdout.readline().startswith('Serving'), f'{script} did not start'
-    return proc, port
-
-
 def digit_of(port, body):
-    import json
     connection = http.client.HTTPConnection('127.0.0.1', port, timeout=60)
     connection.request('POST', '/predict', body=body)
     response = connection.getresponse()
@@ -158,27 +144,23 @@ def main():
                     f.write(body)
     scripts = {'serve.py': os.path.join(ROOT, 'serve.py')}
     if args.baseline:
-        folder = tempfile.mkdtemp()
-        for name in ('serve.py', 'common.py'):
-            with open(os.path.join(folder, name), 'wb') as f:
-                f.write(subprocess.run(['git', 'show', f'{args.baseline}:{name}'], cwd=ROOT, check=True,
-                                       capture_output=True).stdout)
-        scripts[f'at {args.baseline}'] = os.path.join(folder, 'serve.py')
+        scripts[f'at {args.baseline}'] = baseline_serve(args.baseline)
     names = args.kinds or list(samples[0][0])
     print(f'{args.count} MNIST test digits, model {args.model}')
     print(f'{"kind":12s} ' + ' '.join(f'{name:>12s}' for name in scripts))
     results = {}
     for name, script in scripts.items():
-        proc, port = serve(script, args.model)
+        log = open(os.path.join(tempfile.gettempdir(), 'bench_digits_server.log'), 'w')  # its errors, if any
+        server = Server(script, args.model, stderr=log)
         try:
             with concurrent.futures.ThreadPoolExecutor(4) as pool:
                 for kind in names:
-                    jobs = [(pool.submit(digit_of, port, body), label) for sample, label in samples
+                    jobs = [(pool.submit(digit_of, server.port, body), label) for sample, label in samples
                             for body in sample[kind]]
                     results[name, kind] = sum(job.result() == label for job, label in jobs) / len(jobs)
         finally:
-            proc.terminate()
-            proc.wait()
+            server.close()
+            log.close()
     for kind in names:
         print(f'{kind:12s} ' + ' '.join(f'{results[name, kind]:12.1%}' for name in scripts))
 

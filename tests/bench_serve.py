@@ -96,13 +96,24 @@ def cpu_seconds(pid):
     return (int(fields[11]) + int(fields[12])) / os.sysconf('SC_CLK_TCK')
 
 
+def baseline_serve(rev):
+    """The path of serve.py as it was at git revision rev, with that revision's common.py beside it."""
+    folder = tempfile.mkdtemp()
+    for name in ('serve.py', 'common.py'):
+        with open(os.path.join(folder, name), 'wb') as f:
+            f.write(subprocess.run(['git', 'show', f'{rev}:{name}'], cwd=ROOT, check=True, capture_output=True).stdout)
+    return os.path.join(folder, 'serve.py')
+
+
 class Server:
-    def __init__(self, script, model_path):
+    """serve.py (or another revision's) started on a free port, ready."""
+
+    def __init__(self, script, model_path, stderr=subprocess.DEVNULL):
         with socket.socket() as s:
             s.bind(('127.0.0.1', 0))
             self.port = s.getsockname()[1]
         self.proc = subprocess.Popen([sys.executable, script, '--model', model_path, '--port', str(self.port)],
-                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                                     stdout=subprocess.PIPE, stderr=stderr, text=True,
                                      env=dict(os.environ, PYTHONPATH=ROOT))
         assert self.proc.stdout.readline().startswith('Serving'), f'{script} did not start'
 
@@ -179,12 +190,7 @@ def main():
         torch.save(common.SimpleCNN().state_dict(), model_path)
     scripts = {'serve.py': os.path.join(ROOT, 'serve.py')}
     if args.baseline:
-        folder = tempfile.mkdtemp()
-        for name in ('serve.py', 'common.py'):
-            with open(os.path.join(folder, name), 'wb') as f:
-                f.write(subprocess.run(['git', 'show', f'{args.baseline}:{name}'], cwd=ROOT, check=True,
-                                       capture_output=True).stdout)
-        scripts[f'serve.py at {args.baseline}'] = os.path.join(folder, 'serve.py')
+        scripts[f'serve.py at {args.baseline}'] = baseline_serve(args.baseline)
     bodies, big = pngs(args.data_dir, 100), largest_images()
     print(f'{os.cpu_count()} CPU cores, torch {torch.__version__}, {len(bodies[0])}-byte 28x28 PNGs; largest images: '
           f'{len(big[0]) // 1000} KB 4096x4096 RGBA PNG, {len(big[1]) // 1000} KB 16384x16384 JPEG', flush=True)

@@ -53,6 +53,17 @@ def mnist_big_dir(tmp_path_factory):
     return make_mnist(tmp_path_factory.mktemp('data_big'), 12800, 200, seed=1)
 
 
+@pytest.fixture(scope='session')
+def model_file(tmp_path_factory):
+    """A model saved as the training scripts save it: weights of a fixed seed, whose predictions vary enough."""
+    import torch
+    import common
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp('model') / 'best_model.pth'
+    torch.save(common.SimpleCNN().state_dict(), path)
+    return path
+
+
 def script_env(**extra):
     env = {k: v for k, v in os.environ.items()
            if k not in ('RANK', 'WORLD_SIZE', 'LOCAL_RANK', 'MASTER_ADDR', 'MASTER_PORT', 'MNIST_MIRROR')}

@@ -187,7 +187,7 @@ def test_two_nodes_restart_once_whichever_worker_dies(rendezvous, victim, mnist_
     out, port = tmp_path / 'out', free_port()
     nodes = []
     for node in (0, 1):  # two launchers, one process each: two "nodes" on loopback
-        where = ([f'--rdzv_backend=c10d', f'--rdzv_endpoint=127.0.0.1:{port}', '--rdzv_id=restart-test']
+        where = (['--rdzv_backend=c10d', f'--rdzv_endpoint=127.0.0.1:{port}', '--rdzv_id=restart-test']
                  if rendezvous == 'c10d' else [f'--node_rank={node}', '--master_addr=127.0.0.1', f'--master_port={port}'])
         nodes.append(start(torchrun('--nnodes=2', '--nproc_per_node=1', *where, '--max-restarts=1', SCRIPT,
                                     '--data-dir', mnist_big_dir, '--output-dir', out, '--epochs', '3',

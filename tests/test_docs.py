@@ -2,6 +2,7 @@
 messages and log lines, the relative links, run_local.sh's own usage and the scripts' --help."""
 import ast
 import difflib
+import functools
 import importlib
 import re
 import sys
@@ -14,6 +15,7 @@ DOCS = [ROOT / 'README.md', *sorted((ROOT / 'docs').glob('*.md'))]
 SOURCES = [ROOT / name for name in ('mnist_train.py', 'mnist_train_distributed.py', 'common.py', 'serve.py')]
 
 
+@functools.cache  # the same sources for every doc
 def code_strings():
     """Every string literal of the code (adjacent ones joined, as Python joins them), each f-string field
     marked by a NUL."""

@@ -140,7 +140,7 @@ def test_uploading_a_file_shows_its_digit_and_a_blank_one_says_why(page, tmp_pat
     from selenium.webdriver.support.ui import WebDriverWait
     WebDriverWait(page, 20).until(lambda b: 'no digit' in b.find_element('id', 'status').text)
     assert page.find_element('id', 'digit').text == ''
-    if os.environ.get('PAGE_SCREENSHOT'):  # to look at it: PAGE_SCREENSHOT=/tmp/page.png
+    if os.environ.get('PAGE_SCREENSHOT'):  # to look at it: PAGE_SCREENSHOT=page.png
         page.save_screenshot(os.environ['PAGE_SCREENSHOT'])
 
 

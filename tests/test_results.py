@@ -4,9 +4,7 @@ only rank 0 writes. The scripts run as users run them; what they did is recomput
 import importlib
 import io
 import re
-import sys
 
-import numpy as np
 import pytest
 import torch
 from PIL import Image

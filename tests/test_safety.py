@@ -166,8 +166,8 @@ class SlowMirror(http.server.ThreadingHTTPServer):
                 self.send_response(200)
                 self.send_header('Content-Length', str(len(data)))
                 self.end_headers()
-                for start in range(0, len(data), 2048):
-                    self.wfile.write(data[start:start + 2048])
+                for offset in range(0, len(data), 2048):
+                    self.wfile.write(data[offset:offset + 2048])
                     time.sleep(0.05)
 
             def log_message(self, *args):

@@ -5,7 +5,6 @@ import re
 import socket
 import sys
 import threading
-import time
 import urllib.error
 import urllib.request
 
@@ -19,15 +18,6 @@ import common
 from conftest import ROOT, free_port, run, start
 
 SERVE = ROOT / 'serve.py'
-
-
-@pytest.fixture(scope='module')
-def model_file(tmp_path_factory):
-    """A model saved as the training scripts save it (weights of a fixed seed: predictions vary enough)."""
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp('model') / 'best_model.pth'
-    torch.save(common.SimpleCNN().state_dict(), path)
-    return path
 
 
 @pytest.fixture(scope='module')

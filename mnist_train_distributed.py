@@ -212,6 +212,8 @@ def peer_lost(error, epoch, rank, world_size):
     if job_store is None or not re.search(r'onnect|peer|NCCL|[Tt]imed out|closed', cause):
         return error  # not a lost peer: the traceback says what it is
     try:  # the ranks still here say so; the others are gone
+        time.sleep(1)  # a lost store's host has closed its port by now: asked quietly, not through the store
+        socket.create_connection((job_store.host, job_store.port), timeout=5).close()
         job_store.set(f'alive/{epoch}/{rank}', '1')
         time.sleep(2)
         gone = [r for r in range(world_size) if not job_store.check([f'alive/{epoch}/{r}'])]

@@ -27,7 +27,7 @@ import random
 import tempfile
 
 import numpy as np
-from PIL import Image, ImageFilter
+from PIL import Image, ImageDraw, ImageFilter
 
 from bench_serve import ROOT, Server, baseline_serve  # beside this file
 
@@ -44,7 +44,10 @@ def pen(digit, size, width=None):
     big = digit.resize((size, size), Image.BILINEAR)
     ink = np.clip((np.asarray(big, dtype=np.float32) / 255 - 0.25) / 0.5, 0, 1)  # solid, soft edges: not a scan
     if width:
-        lines = Image.fromarray(thin(ink > 0.5).astype(np.uint8) * 255).filter(ImageFilter.MaxFilter(width))
+        lines = Image.new('L', (size, size))
+        draw, r = ImageDraw.Draw(lines), (width - 1) / 2
+        for y, x in zip(*np.nonzero(thin(ink > 0.5))):  # round, as the page's pen (a square one is 1.4x on diagonals)
+            draw.ellipse([x - r, y - r, x + r, y + r], fill=255)
         ink = np.asarray(lines.filter(ImageFilter.GaussianBlur(0.7)), dtype=np.float32) / 255
     return ink
 

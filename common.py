@@ -214,7 +214,7 @@ def _download(data_dir, raw_folder, missing):
                     missing.remove(name)
                     break
                 except (URLError, OSError, RuntimeError, SetupError) as e:
-                    error = f' The last download error was: {mirror}{name}.gz: {e}.'
+                    error = f' The last download error was: {mirror}{name}.gz: {str(e).rstrip(".")}.'
             else:
                 break  # no mirror has this file: the others will not fare better
     finally:

@@ -66,12 +66,14 @@ mutants)
     # Mutation testing of common.py against its unit tests, in a scratch copy (mutmut writes mutants/
     # beside the code it mutates); prints the mutants that no test kills.
     venv .venv -r requirements-test.txt
-    "$PY" -m pip install --quiet --disable-pip-version-check 'mutmut>=3.8,<4'
+    "$PY" -m pip install --quiet --disable-pip-version-check 'mutmut>=3.8.1,<4'
     work=$(mktemp -d)
     mkdir "$work/tests"
-    cp common.py "$work/" && cp tests/conftest.py tests/test_common.py "$work/tests/"
-    printf '[mutmut]\nsource_paths = common.py\npytest_add_cli_args_test_selection = tests/test_common.py\n' \
-        > "$work/setup.cfg"
+    cp common.py "$work/" && cp tests/conftest.py tests/test_common.py tests/test_common_setup.py "$work/tests/"
+    # forkserver: torch is not fork-safe (forked from a process that ran it, tests hang and read as timeouts)
+    printf '[mutmut]\nsource_paths = common.py\nprocess_isolation = forkserver\n' > "$work/setup.cfg"
+    printf 'pytest_add_cli_args_test_selection =\n' >> "$work/setup.cfg"
+    printf '    %s\n' tests/test_common.py tests/test_common_setup.py >> "$work/setup.cfg"
     PY="$(pwd)/$PY"  # absolute, not resolved: the environment's own python
     cd "$work"
     "$PY" -m mutmut run "$@" || true

@@ -76,6 +76,11 @@ def test_an_epoch_visits_each_sample_once_in_a_new_order_each_epoch():
     assert orders[1] == list(sampler)
 
 
+def test_a_shuffled_loader_starts_at_epoch_0_of_seed_0():
+    sampler = torch.utils.data.DistributedSampler(range(50), num_replicas=1, rank=0)  # seed 0, epoch 0
+    assert epoch_ids(common.TensorLoader(FakeMNIST(50), batch_size=16, shuffle=True)) == list(sampler)
+
+
 @pytest.mark.parametrize('n, world_size', [(100, 2), (101, 3)])
 def test_distributed_training_shares_are_samplers_and_cover_the_set(n, world_size):
     dataset = FakeMNIST(n)

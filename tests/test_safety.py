@@ -152,6 +152,24 @@ def test_sigterm_to_torchrun_stops_every_rank_and_the_rerun_resumes(mnist_big_di
     assert 'Resuming from epoch 1 ' in stdout and re.findall(r'^Epoch (\d) done', stdout, re.M) == ['1', '2']
 
 
+def test_sigterm_to_every_rank_exits_143(mnist_big_dir, tmp_path):
+    """Each worker's own exit code, which torchrun does not pass on: ranks started by plain python, as a
+    pod's processes are when it is deleted, each get SIGTERM."""
+    out, port = tmp_path / 'out', free_port()
+    procs = [start(dist_cmd('--data-dir', mnist_big_dir, '--output-dir', out, '--epochs', '3', '--log-interval', '20'),
+                   env=script_env(RANK=str(rank), WORLD_SIZE='2', MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port)))
+             for rank in (0, 1)]
+    procs[0][1].wait_for(lambda line: line.startswith('Rank: 0, Local_Rank: 0 -- Train Epoch: 1 [2560/'))
+    for proc, _ in procs:
+        proc.send_signal(signal.SIGTERM)
+    outputs = [reader.rest(timeout=60) for _, reader in procs]
+    assert [proc.returncode for proc, _ in procs] == [143, 143], outputs
+    assert outputs[0].rstrip().endswith('Stopped by SIGTERM, after 1 finished epochs: the same command resumes from '
+                                        'epoch 1.'), outputs[0]
+    assert 'Stopped' not in outputs[1] and not any('Traceback' in output or 'error:' in output for output in outputs)
+    assert sorted(p.name for p in out.iterdir()) == ['best_model.pth', 'checkpoint.pth', 'runs']
+
+
 class SlowMirror(http.server.ThreadingHTTPServer):
     """An MNIST mirror on localhost that sends each .gz file slowly: a download to stop in the middle."""
 

@@ -1,4 +1,6 @@
 """Shared fixtures: tiny MNIST-format data made here, and ways to run the scripts as users do."""
+import gzip
+import http.server
 import os
 import queue
 import socket
@@ -39,6 +41,53 @@ def make_mnist(root, n_train, n_test, seed=0):
         write_idx(raw / f'{prefix}-images-idx3-ubyte', images)
         write_idx(raw / f'{prefix}-labels-idx1-ubyte', labels)
     return Path(root)
+
+
+def gz_files(root):
+    """{'name.gz': bytes}: the four MNIST files under root/MNIST/raw, compressed as MNIST's mirrors serve them."""
+    return {f'{name}.gz': gzip.compress((Path(root) / 'MNIST' / 'raw' / name).read_bytes(), mtime=0) for name in FILES}
+
+
+class Mirror(http.server.ThreadingHTTPServer):
+    """An MNIST mirror on localhost: files {'name.gz': bytes} under .url; .gets lists every path asked for.
+
+    torchvision asks for each file twice (a redirect check, then the file). delay: seconds between
+    2 KiB pieces, for a download to stop in the middle of."""
+
+    def __init__(self, files, delay=0):
+        mirror, self.gets = self, []
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                mirror.gets.append(self.path)
+                data = files.get(self.path.removeprefix('/mnist/'))
+                if data is None:
+                    return self.send_error(404)
+                self.send_response(200)
+                self.send_header('Content-Length', str(len(data)))
+                self.end_headers()
+                for offset in range(0, len(data), 2048):
+                    self.wfile.write(data[offset:offset + 2048])
+                    time.sleep(delay)
+
+            def log_message(self, *args):
+                pass
+        super().__init__(('127.0.0.1', 0), Handler)
+        self.daemon_threads = True
+        self.url = f'http://127.0.0.1:{self.server_port}/mnist/'
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+    def files_asked(self):
+        """The paths asked for, in order, a file's two requests in a row counted once."""
+        return [path for i, path in enumerate(self.gets) if self.gets[i - 1:i] != [path]]
+
+    def downloads(self):
+        """{file: times downloaded}."""
+        return {name: self.gets.count(f'/mnist/{name}.gz') / 2 for name in FILES}
+
+    def close(self):
+        self.shutdown()
+        self.server_close()
 
 
 @pytest.fixture(scope='session')

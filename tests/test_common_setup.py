@@ -3,19 +3,17 @@ resuming and stopping. Each message is asserted as the user reads it (the script
 import argparse
 import gzip
 import hashlib
-import http.server
 import os
 import re
 import signal
 import socket
 import sys
-import threading
 
 import pytest
 import torch
 
 import common
-from conftest import FILES, make_mnist
+from conftest import FILES, Mirror, gz_files, make_mnist
 
 
 def args_for(folder, no_resume=False, lr=0.01, batch_size=64, seed=0):
@@ -216,39 +214,9 @@ def test_every_archive_that_cannot_be_used_is_named_also_when_downloading(tmp_pa
 
 # --- prepare_mnist: downloads --------------------------------------------------------------------
 
-class Mirror:
-    """A local HTTP server of MNIST .gz files: files {name: bytes}; .requests lists the files asked for."""
-
-    def __init__(self, files, prefix='/mnist/'):
-        mirror = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self):
-                if mirror.requests[-1:] != [self.path]:  # torchvision asks twice: for a redirect, then the file
-                    mirror.requests.append(self.path)
-                body = files.get(self.path[len(prefix):]) if self.path.startswith(prefix) else None
-                self.send_response(200 if body is not None else 404)
-                self.send_header('Content-Length', str(len(body or b'')))
-                self.end_headers()
-                self.wfile.write(body or b'')
-
-            def log_message(self, *args):
-                pass
-        self.requests = []
-        self.server = http.server.ThreadingHTTPServer(('127.0.0.1', 0), Handler)
-        self.url = f'http://127.0.0.1:{self.server.server_address[1]}{prefix}'
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self):
-        self.server.shutdown()
-        self.server.server_close()
-
-
 @pytest.fixture
 def archives(tmp_path_factory):
-    """{name.gz: bytes} of a tiny MNIST."""
-    raw = make_mnist(tmp_path_factory.mktemp('source'), 20, 10) / 'MNIST' / 'raw'
-    return {f'{name}.gz': gzip.compress((raw / name).read_bytes(), mtime=0) for name in FILES}
+    return gz_files(make_mnist(tmp_path_factory.mktemp('source'), 20, 10))
 
 
 @pytest.fixture
@@ -295,7 +263,7 @@ def test_download_from_mnist_mirror_with_a_timeout(tmp_path, mirrors, archives, 
     assert raw_listing(tmp_path / 'data') == sorted(FILES)  # no staging folder, no .gz left
     for name in FILES:
         assert gzip.compress((raw / name).read_bytes(), mtime=0) == archives[f'{name}.gz']
-    assert mirror.requests == [f'/mnist/{name}.gz' for name in FILES]
+    assert mirror.files_asked() == [f'/mnist/{name}.gz' for name in FILES]
     assert calls == [(f'{mirror.url}{name}.gz', str(raw), '.download-', None, 30, True) for name in FILES]
     assert common._writing == set()
 
@@ -309,8 +277,8 @@ def test_download_falls_back_to_torchvisions_mirror_with_checksums(tmp_path, mir
     (tmp_path / 'MNIST' / 'raw' / 't10k-images-idx3-ubyte').unlink()
     common.prepare_mnist(str(tmp_path))
     assert raw_listing(tmp_path) == sorted(FILES)
-    assert first.requests == ['/mnist/train-images-idx3-ubyte.gz', '/mnist/t10k-images-idx3-ubyte.gz']
-    assert second.requests == ['/mnist/t10k-images-idx3-ubyte.gz']
+    assert first.files_asked() == ['/mnist/train-images-idx3-ubyte.gz', '/mnist/t10k-images-idx3-ubyte.gz']
+    assert second.files_asked() == ['/mnist/t10k-images-idx3-ubyte.gz']
 
 
 def test_without_a_mirror_nothing_is_downloaded(tmp_path, mirrors, hint):
@@ -333,8 +301,8 @@ def test_a_file_no_mirror_has_ends_the_download_with_its_error(tmp_path, mirrors
                               f'train-labels-idx1-ubyte, t10k-images-idx3-ubyte, t10k-labels-idx1-ubyte).')
     assert message.endswith(f' The last download error was: {second.url}train-labels-idx1-ubyte.gz: File not found '
                             f'or corrupted. [hint for {tmp_path}]'), message
-    assert first.requests == ['/mnist/train-images-idx3-ubyte.gz', '/mnist/train-labels-idx1-ubyte.gz']
-    assert second.requests == ['/mnist/train-labels-idx1-ubyte.gz']  # the next files are not tried
+    assert first.files_asked() == ['/mnist/train-images-idx3-ubyte.gz', '/mnist/train-labels-idx1-ubyte.gz']
+    assert second.files_asked() == ['/mnist/train-labels-idx1-ubyte.gz']  # the next files are not tried
     assert raw_listing(tmp_path) == ['train-images-idx3-ubyte'] and socket.getdefaulttimeout() is None
 
 

@@ -4,19 +4,16 @@ Each test here fails on the document's version of the script: it needs CUDA and 
 validates the whole test set (the total printed is world_size * 200), and only global rank 0
 downloads the data (a second node with its own disk has none).
 """
-import gzip
-import http.server
 import os
 import re
 import signal
-import threading
 import time
 
 import pytest
 import torch
 
 import common
-from conftest import ROOT, FILES, dist_cmd, free_port, read_scalars, run, script_env, start, torchrun
+from conftest import ROOT, FILES, Mirror, dist_cmd, free_port, gz_files, read_scalars, run, script_env, start, torchrun
 
 FAST = ('--lr', '0.1', '--batch-size', '16', '--log-interval', '5')
 SCRIPT = ROOT / 'mnist_train_distributed.py'
@@ -60,42 +57,11 @@ def test_without_torchrun_runs_as_a_world_of_one(mnist_dir, tmp_path):
     assert 'Training already complete' in stdout and 'Train Epoch' not in stdout
 
 
-class Mirror:
-    """An MNIST mirror on localhost that counts the downloads of each file."""
-
-    def __init__(self, folder):
-        self.gets = []
-        mirror = self
-
-        class Handler(http.server.SimpleHTTPRequestHandler):
-            def __init__(self, *args, **kwargs):
-                super().__init__(*args, directory=str(folder), **kwargs)
-
-            def do_GET(self):
-                mirror.gets.append(self.path)
-                super().do_GET()
-
-            def log_message(self, *args):
-                pass
-
-        self.server = http.server.ThreadingHTTPServer(('127.0.0.1', 0), Handler)
-        self.url = f'http://127.0.0.1:{self.server.server_port}/mnist/'
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def downloads(self):
-        """{file: times downloaded}; torchvision GETs each URL twice (a redirect check, then the file)."""
-        return {name: self.gets.count(f'/mnist/{name}.gz') / 2 for name in FILES}
-
-
 @pytest.fixture
-def mirror(mnist_dir, tmp_path):
-    folder = tmp_path / 'mirror' / 'mnist'
-    folder.mkdir(parents=True)
-    for name in FILES:
-        (folder / f'{name}.gz').write_bytes(gzip.compress((mnist_dir / 'MNIST' / 'raw' / name).read_bytes()))
-    mirror = Mirror(tmp_path / 'mirror')
+def mirror(mnist_dir):
+    mirror = Mirror(gz_files(mnist_dir))
     yield mirror
-    mirror.server.shutdown()
+    mirror.close()
 
 
 def two_nodes(data_dirs, out, env, epochs=1):

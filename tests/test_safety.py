@@ -2,18 +2,16 @@
 changed hyperparameters on resume, divergence, Ctrl-C and SIGTERM, a full disk, hand-made data folders,
 a device that is not there. Both scripts, run as users run them."""
 import gzip
-import http.server
 import re
 import signal
 import sys
-import threading
 import time
 
 import pytest
 import torch
 
 import common
-from conftest import FILES, ROOT, dist_cmd, free_port, make_mnist, run, script_env, start, torchrun, train_cmd
+from conftest import ROOT, Mirror, dist_cmd, free_port, gz_files, make_mnist, run, script_env, start, torchrun, train_cmd
 
 FAST = ('--lr', '0.1', '--batch-size', '16', '--log-interval', '10')
 OFFLINE = dict(http_proxy='http://127.0.0.1:9', https_proxy='http://127.0.0.1:9', no_proxy='')
@@ -170,34 +168,8 @@ def test_sigterm_to_every_rank_exits_143(mnist_big_dir, tmp_path):
     assert sorted(p.name for p in out.iterdir()) == ['best_model.pth', 'checkpoint.pth', 'runs']
 
 
-class SlowMirror(http.server.ThreadingHTTPServer):
-    """An MNIST mirror on localhost that sends each .gz file slowly: a download to stop in the middle."""
-
-    def __init__(self, mnist_dir):
-        files = {f'/{name}.gz': gzip.compress((mnist_dir / 'MNIST' / 'raw' / name).read_bytes()) for name in FILES}
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self):
-                data = files.get(self.path)
-                if data is None:
-                    return self.send_error(404)
-                self.send_response(200)
-                self.send_header('Content-Length', str(len(data)))
-                self.end_headers()
-                for offset in range(0, len(data), 2048):
-                    self.wfile.write(data[offset:offset + 2048])
-                    time.sleep(0.05)
-
-            def log_message(self, *args):
-                pass
-        super().__init__(('127.0.0.1', 0), Handler)
-        self.daemon_threads = True
-        self.url = f'http://127.0.0.1:{self.server_port}/'
-        threading.Thread(target=self.serve_forever, daemon=True).start()
-
-
 def test_a_stop_during_the_first_download_leaves_nothing_behind(mnist_big_dir, tmp_path):
-    mirror = SlowMirror(mnist_big_dir)
+    mirror = Mirror(gz_files(mnist_big_dir), delay=0.05)  # slow: a download to stop in the middle of
     data, raw = tmp_path / 'data', tmp_path / 'data' / 'MNIST' / 'raw'
     env = script_env(MNIST_MIRROR=mirror.url, **{**OFFLINE, 'no_proxy': '127.0.0.1'})
     proc, reader = start(train_cmd('--data-dir', data, '--output-dir', tmp_path / 'out'), env=env)
@@ -207,7 +179,7 @@ def test_a_stop_during_the_first_download_leaves_nothing_behind(mnist_big_dir, t
     assert list(raw.glob('.download-*/*')), reader.drain()
     proc.send_signal(signal.SIGTERM)
     output = reader.rest(timeout=60)
-    mirror.shutdown()
+    mirror.close()
     assert proc.returncode == 143 and 'Traceback' not in output, output
     assert output.rstrip().endswith('Stopped by SIGTERM, after 0 finished epochs: the same command resumes from '
                                     'epoch 0.'), output

@@ -1,9 +1,9 @@
 """Accuracy of serve.py on real MNIST test digits sent the ways people send digits, beside plain 28x28 PNGs.
 
-    python tests/bench_digits.py --model best_model.pth --data-dir DIR [--count 1000] [--baseline REV]
+    python tests/bench_digits.py --model best_model.pth --data-dir DIR [--count 1000] [--start 0] [--baseline REV]
     (or: ./run_local.sh bench-digits --model ... --data-dir ...)
 
-Renders the first --count MNIST test digits (from --data-dir, torchvision layout) in each of these
+Renders --count MNIST test digits from --start (from --data-dir, torchvision layout) in each of these
 kinds, sends every image to a real serve.py over HTTP, and prints the share answered correctly:
   plain        the 28x28 image as in the data set (PNG)
   photo        dark ink on grey, unevenly lit paper, small in a 1280x960 frame, noise, blur (JPEG)
@@ -129,6 +129,7 @@ def main():
     parser.add_argument('--model', required=True, help='best_model.pth written by the training scripts')
     parser.add_argument('--data-dir', required=True, help='torchvision root holding MNIST/raw')
     parser.add_argument('--count', type=int, default=1000, help='test digits to render (default: 1000)')
+    parser.add_argument('--start', type=int, default=0, help='index of the first of them (default: 0)')
     parser.add_argument('--baseline', metavar='REV', help='also measure the serve.py of this git revision')
     parser.add_argument('--kinds', nargs='+', metavar='KIND', help='only these kinds (default: all)')
     parser.add_argument('--save', metavar='DIR', help='also write the first digit of each kind there, to look at')
@@ -137,7 +138,7 @@ def main():
     test_set = datasets.MNIST(root=args.data_dir, train=False)
     rng = random.Random(0)
     samples = [(kinds(Image.fromarray(test_set.data[i].numpy()), rng), int(test_set.targets[i]))
-               for i in range(args.count)]
+               for i in range(args.start, args.start + args.count)]
     if args.save:
         os.makedirs(args.save, exist_ok=True)
         for kind, bodies in samples[0][0].items():
@@ -149,7 +150,7 @@ def main():
     if args.baseline:
         scripts[f'at {args.baseline}'] = baseline_serve(args.baseline)
     names = args.kinds or list(samples[0][0])
-    print(f'{args.count} MNIST test digits, model {args.model}')
+    print(f'{args.count} MNIST test digits from #{args.start}, model {args.model}')
     print(f'{"kind":12s} ' + ' '.join(f'{name:>12s}' for name in scripts))
     results = {}
     for name, script in scripts.items():

@@ -154,7 +154,8 @@ def test_missing_files_are_listed_with_the_advice(tmp_path, hint):
         f'uploading them to the dataset, or set MNIST_MIRROR to a URL prefix that serves them as .gz. [hint for {root}]')
 
 
-def gzip_files(root, names):
+def compress_in_place(root, names):
+    """Leave only the .gz of each file named, as downloaded by hand (the file itself kept as .good)."""
     raw = root / 'MNIST' / 'raw'
     for name in names:
         (raw / f'{name}.gz').write_bytes(gzip.compress((raw / name).read_bytes()))
@@ -164,7 +165,7 @@ def gzip_files(root, names):
 def test_files_missing_beside_their_gz_are_extracted(tmp_path, monkeypatch):
     root = make_mnist(tmp_path, 20, 10)
     raw = root / 'MNIST' / 'raw'
-    gzip_files(root, FILES[:2])
+    compress_in_place(root, FILES[:2])
     (raw / f'{FILES[2]}.gz').write_bytes(b'not this one: its file is there')
     seen = []
     real_replace = os.replace

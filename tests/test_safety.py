@@ -151,8 +151,8 @@ def test_sigterm_to_torchrun_stops_every_rank_and_the_rerun_resumes(mnist_big_di
 
 
 def test_sigterm_to_every_rank_exits_143(mnist_big_dir, tmp_path):
-    """Each worker's own exit code, which torchrun does not pass on: ranks started by plain python, as a
-    pod's processes are when it is deleted, each get SIGTERM."""
+    """Each worker's own exit code, which torchrun does not pass on: ranks started by plain python, one
+    per pod as Kubeflow's PyTorchJob starts them, each get SIGTERM when the job is stopped."""
     out, port = tmp_path / 'out', free_port()
     procs = [start(dist_cmd('--data-dir', mnist_big_dir, '--output-dir', out, '--epochs', '3', '--log-interval', '20'),
                    env=script_env(RANK=str(rank), WORLD_SIZE='2', MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port)))

@@ -111,7 +111,7 @@ def mnist_root(path):
 
 
 def _laptop_hint(path):
-    if os.path.abspath(path).startswith('/mnt/data'):
+    if (os.path.abspath(path) + '/').startswith('/mnt/data/'):  # the mount or a folder in it, not /mnt/data2
         return (' /mnt/data is the dataset mount of a DLC job; on another machine pass --data-dir '
                 'and --output-dir (for example ./data and ./output), or use ./run_local.sh.')
     return ''

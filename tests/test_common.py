@@ -172,18 +172,6 @@ def test_a_crash_between_temp_write_and_replace_leaves_the_old_file(tmp_path, mo
     assert torch.load(path, weights_only=True) == {'epochs_done': 3}
 
 
-def test_load_checkpoint_refuses_another_model_and_keeps_the_file(tmp_path):
-    path = str(tmp_path / 'checkpoint.pth')
-    other = torch.nn.Linear(784, 10)
-    checkpoint = {'model': other.state_dict(), 'optimizer': {}, 'epochs_done': 1,
-                  'best_val_accuracy': 50.0, 'best_epoch': 0}
-    torch.save(checkpoint, path)
-    before = open(path, 'rb').read()
-    with pytest.raises(common.SetupError, match='--no-resume'):
-        common.load_checkpoint(argparse.Namespace(output_dir=str(tmp_path), no_resume=False))
-    assert open(path, 'rb').read() == before
-
-
 def test_positive_rejects_zero_negative_and_text():
     parse = common.positive(int)
     assert parse('3') == 3

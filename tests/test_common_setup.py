@@ -119,7 +119,7 @@ def test_laptop_hint_only_for_the_dlc_mount():
         ' /mnt/data is the dataset mount of a DLC job; on another machine pass --data-dir and --output-dir (for '
         'example ./data and ./output), or use ./run_local.sh.')
     assert common._laptop_hint('/mnt/data') != '' and common._laptop_hint('data') == ''
-    assert common._laptop_hint('/home/me/mnt/data') == '' and common._laptop_hint('/mnt/data2/output') == ''
+    assert common._laptop_hint('/srv/mnt/data') == '' and common._laptop_hint('/mnt/data2/output') == ''
 
 
 # --- prepare_mnist: checks, extraction -----------------------------------------------------------

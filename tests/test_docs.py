@@ -1,5 +1,5 @@
 """The README and docs/ say what the code does, where a machine can tell: the flags table, the quoted
-messages and log lines, the relative links, run_local.sh's own usage and the scripts' --help."""
+messages and log lines, the relative links, run_local.sh's own usage, the scripts' --help and what .ci/run runs."""
 import ast
 import difflib
 import functools
@@ -146,3 +146,12 @@ def test_the_scripts_help_examples_write_to_different_folders():
 def test_no_developer_paths_in_user_facing_text():
     for path in [*DOCS, ROOT / 'run_local.sh', *SOURCES]:
         assert '../shared' not in path.read_text(), path.name
+
+
+def test_ci_runs_the_readmes_test_commands_with_room_for_one_environment():
+    readme = (ROOT / 'README.md').read_text()
+    commands = [line for line in (ROOT / '.ci' / 'run').read_text().splitlines() if line.startswith('./run_local.sh')
+                or line.startswith('rm ')]
+    assert commands == ['./run_local.sh test', 'rm -rf .venv', './run_local.sh test-pai'], commands
+    assert all(f'`{command}`' in readme for command in commands[::2])
+    assert 'it removes `.venv` between the two' in readme

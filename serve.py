@@ -7,75 +7,88 @@ On your own machine (after ./run_local.sh; or ./run_local.sh serve):
   python serve.py --model ./output/single/best_model.pth --predict digit.png ...   (no server)
 
 POST /predict answers {"digit": d, "probabilities": [p0, ..., p9]} for one image (PNG, JPEG, ...: any
-size, colour or grey), sent in any of these forms:
+size, colour or grey; framing.py reads it as MNIST framed its digits), sent in any of these forms:
   the file as the body               curl --data-binary @digit.png http://127.0.0.1:8000/predict
   a form upload, any field name      curl -F file=@digit.png http://127.0.0.1:8000/predict
   JSON: base64, or a data: URL       curl -d '{"image": "iVBORw0KGgo..."}' http://127.0.0.1:8000/predict
 Several images (several files in one form, or {"images": [...]}) answer {"predictions": [{"digit": d,
 "probabilities": [...]}, ...]}, from one forward pass. GET /health answers {"status": "ok", "model": path}.
-Every reply is JSON, errors too: {"error": "..."} with the HTTP status.
+Replies are JSON, errors too ({"error": "..."} with the HTTP status), but for the page at GET / and the
+400 uvicorn itself gives a request it cannot parse.
 
 Limits: 10 MB a request, 16 images, 4096x4096 pixels an image (a JPEG may be larger: it is decoded at
-reduced size); the whole request (headers and body) within --timeout seconds. On SIGTERM (how EAS stops
-and rolls a service) or Ctrl-C it stops accepting, answers the requests it has, and exits 0.
-The server (uvicorn) has no authentication of its own: on EAS, its gateway checks the service token.
+reduced size); the body within --timeout seconds of the request, the answer within --deadline seconds
+of the body. On SIGTERM (how EAS stops and rolls a service) or Ctrl-C it stops accepting, answers the
+requests it has, and exits 0. uvicorn serves; it has no authentication: on EAS, the gateway checks the token.
 """
 import argparse
 import asyncio
 import base64
 import binascii
 import concurrent.futures
+import contextlib
+import email.parser
+import email.policy
 import errno
-import http
-import io
 import json
+import math
+import multiprocessing
 import os
-import re
 import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 
-import torch
-import torch.nn.functional as F
-from PIL import Image, ImageOps, UnidentifiedImageError
-from torchvision import transforms
-
 try:
     import common
+    import framing
 except ModuleNotFoundError as e:  # the script uploaded alone
-    if e.name != 'common':
+    if e.name not in ('common', 'framing'):
         raise
-    sys.exit(f'error: common.py is missing: upload it beside {os.path.abspath(__file__)} (on DLC, to the same '
+    sys.exit(f'error: {e.name}.py is missing: upload it beside {os.path.abspath(__file__)} (on DLC, to the same '
              f'folder of the dataset as the script).')
 try:
-    import httptools
     import uvicorn
-    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 except ModuleNotFoundError as e:
     sys.exit(f'error: serve.py needs {e.name}: pip install -r {os.path.join(os.path.dirname(__file__), "requirements-serve.txt")}'
              f' (./run_local.sh serve installs it).')
+import torch
 
-# The training data's preprocessing, as in the document
-transform = transforms.Compose([
-    transforms.ToTensor(),
-    transforms.Normalize((0.5,), (0.5,))
-])
 MAX_BODY_BYTES = 10 * 1024 * 1024
 MAX_IMAGES = 16  # in one request
-MAX_PIXELS = 4096 * 4096  # decoded at full size; a JPEG may have 16 times as many: it is decoded at 1/4-1/8 scale
-WORK_SIDE = 1024  # a decoded image is reduced to about this many pixels a side before anything else
-Image.MAX_IMAGE_PIXELS = 16 * MAX_PIXELS  # Pillow's own decompression-bomb check, past our limits
-MAX_URL_BYTES, MAX_HEADER_BYTES = 8192, 16384
-MNIST_BOX, MNIST_STROKE = 20, 2.9  # MNIST fitted its digits into 20x20; its strokes' median width
-MIN_CONTRAST = 0.1  # of the ink against the paper, in 0-1: below it, no digit
-NO_DIGIT = 'the image has no digit: it is blank or all of one colour (send a dark digit on light paper, or light on dark)'
-MAX_WAITING = 256  # requests queued for the prediction threads; more get 503
+MAX_HEAD_BYTES = 16384  # the request line and headers; more get uvicorn's 400
+MAX_WAITING = 256  # requests of a worker process waiting for its prediction threads; more get 503
+BODY_BUDGET = 8 * MAX_BODY_BYTES  # bytes of request bodies a worker process holds at once; more wait their turn
 FORMS = ('send the image file as the body (curl --data-binary @digit.png), as a form upload (curl -F '
          'file=@digit.png), or as JSON {"image": "<base64 or data: URL>"}')
 ROUTES = {'/': ('GET', 'HEAD'), '/predict': ('POST',), '/health': ('GET', 'HEAD')}
 PAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'page', 'index.html')  # GET /: try the model
+
+
+def usable_cpus():
+    """The CPUs this process may use: its affinity (where the platform has one), and a container's CPU quota."""
+    count = len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count() or 1
+    quota = cgroup_cpu_quota()
+    return max(1, min(count, math.ceil(quota)) if quota else count)
+
+
+def cgroup_cpu_quota(root='/sys/fs/cgroup'):
+    """CPUs' worth of time a Linux container may use (Docker --cpus, Kubernetes limits), or None: cgroup v2, then v1."""
+    try:
+        with open(os.path.join(root, 'cpu.max')) as f:
+            quota, period = f.read().split()[:2]
+        return None if quota == 'max' else int(quota) / int(period)
+    except (OSError, ValueError):
+        pass
+    try:
+        with open(os.path.join(root, 'cpu', 'cpu.cfs_quota_us')) as q, \
+                open(os.path.join(root, 'cpu', 'cpu.cfs_period_us')) as p:
+            quota, period = int(q.read()), int(p.read())
+        return quota / period if quota > 0 and period > 0 else None
+    except (OSError, ValueError):
+        return None
 
 
 def parse_args():
@@ -87,10 +100,15 @@ def parse_args():
                              'only)')
     parser.add_argument('--port', type=int, default=8000, help='port to listen on; 0 picks a free one (default: '
                                                                '%(default)s)')
+    parser.add_argument('--workers', type=common.positive(int), default=usable_cpus(),
+                        help='server processes, each with the model (default: the CPUs this process may use, '
+                             '%(default)s)')
+    parser.add_argument('--threads', type=common.positive(int), default=1,
+                        help='threads of each worker that read images and run the model (default: %(default)s)')
     parser.add_argument('--timeout', type=common.positive(float), default=30,
-                        help='seconds a client may take to send a whole request (default: %(default)s)')
-    parser.add_argument('--threads', type=common.positive(int), default=len(os.sched_getaffinity(0)),
-                        help='threads that decode images and run the model (default: the CPU cores, %(default)s)')
+                        help='seconds a client may take to send a request body (default: %(default)s)')
+    parser.add_argument('--deadline', type=common.positive(float), default=10,
+                        help='seconds to answer a request once its body is in; then 503 or 504 (default: %(default)s)')
     parser.add_argument('--grace', type=common.positive(float), default=30,
                         help='seconds to finish the requests in progress on SIGTERM or Ctrl-C (default: %(default)s)')
     parser.add_argument('--predict', nargs='+', metavar='FILE', help='print the digit of each image and exit')
@@ -123,130 +141,11 @@ def load_model(path):
 
 
 class Refused(Exception):
-    """A request that cannot be served: .status is the HTTP status to answer with, .close drops the connection."""
+    """A request that cannot be served: .status is the HTTP status to answer with, .headers go with it."""
 
-    def __init__(self, status, message, close=False):
+    def __init__(self, status, message, **headers):
         super().__init__(message)
-        self.status, self.close = status, close
-
-
-def decode(data):
-    """Image bytes -> a PIL image at most about WORK_SIDE pixels a side, decoded within bounded memory and CPU."""
-    try:
-        image = Image.open(io.BytesIO(data))  # reads the header only
-        width, height = image.size
-        limit = 16 * MAX_PIXELS if image.format == 'JPEG' else MAX_PIXELS
-        if width * height > limit:
-            raise Refused(413, f'the image has {width}x{height} pixels; at most {limit} are served')
-        if image.format == 'JPEG':  # decoded at 1/2, 1/4 or 1/8 scale, still at least WORK_SIDE a side
-            scale = max(1, max(width, height) // WORK_SIDE)
-            image.draft(image.mode, (width // scale, height // scale))
-        image.load()
-        if image.getexif().get(0x0112, 1) != 1:  # a phone photo's orientation
-            image = ImageOps.exif_transpose(image)
-        if image.mode not in ('L', 'LA', 'RGB', 'RGBA'):  # palette, 1-bit, CMYK, 16-bit: what reduce() takes
-            image = image.convert('RGBA' if 'transparency' in image.info or image.mode.endswith('A') else 'RGB')
-        factor = max(image.size) // WORK_SIDE
-        return image.reduce(factor) if factor > 1 else image
-    except Image.DecompressionBombError as e:
-        raise Refused(413, str(e)) from None
-    except UnidentifiedImageError:
-        raise Refused(400, f'the body is not an image Pillow can read (PNG, JPEG, BMP, ...); {FORMS}') from None
-    except (OSError, ValueError, SyntaxError) as e:  # a truncated or damaged image
-        raise Refused(400, f'the image cannot be decoded ({e})') from None
-
-
-def preprocess(data):
-    """Image bytes -> [1, 1, 28, 28] as MNIST framed its digits, then the document's transform.
-
-    A 28x28 image is taken as MNIST's own format (an MNIST test image gives bit for bit the tensor the scripts
-    validate on); any other is framed: the ink told from the paper, fitted into a 20x20 box keeping its aspect
-    ratio, with its centre of mass at the centre of 28x28, light on dark."""
-    image = decode(data)
-    if image.size == (28, 28) and image.mode in ('L', 'RGB'):
-        image = image.convert('L')
-        border = [image.getpixel((x, y)) for x in range(28) for y in (0, 27)] + \
-                 [image.getpixel((x, y)) for x in (0, 27) for y in range(1, 27)]
-        if sum(border) / len(border) > 127:  # a dark digit on light paper: MNIST's digits are light on dark
-            image = ImageOps.invert(image)
-        low, high = image.getextrema()
-        if high - low < 32:
-            raise Refused(422, NO_DIGIT)
-        return transform(image).unsqueeze(0)
-    return transform(frame(*ink_of(image))).unsqueeze(0)
-
-
-def ink_of(image):
-    """The ink of a picture, light on dark whichever it was, as float tensors [H, W]: 0 on the paper, up to 1 at
-    the strokes' cores; and the same averaged over 3x3 pixels, to tell ink from noise."""
-    if image.mode in ('LA', 'RGBA'):
-        alpha = image.getchannel('A')
-        drawn = sum(alpha.histogram()[128:]) < alpha.width * alpha.height / 2
-        low, high = alpha.getextrema()
-        # Strokes on a transparent canvas, light or dark: the ink is where it is opaque. Otherwise onto white.
-        image = alpha if high - low > 64 and drawn else \
-            Image.alpha_composite(Image.new('RGBA', image.size, 'white'), image.convert('RGBA'))
-    grey = image.convert('L')
-    x = torch.frombuffer(bytearray(grey.tobytes()), dtype=torch.uint8).reshape(grey.height, grey.width)
-    x = x.float().div(255)[None, None]
-    smooth = F.avg_pool2d(x, 3, stride=1, padding=1, count_include_pad=False)  # noise and JPEG speckle averaged
-    ring = max(1, min(grey.size) // 16)
-    paper = torch.cat([x[..., :ring, :].flatten(), x[..., -ring:, :].flatten(), x[..., :ring].flatten(),
-                       x[..., -ring:].flatten()]).median()
-    if paper - smooth.min() > smooth.max() - paper:  # the ink is darker than the paper: make it light on dark
-        x, smooth = 1 - x, 1 - smooth
-    # Uneven paper or light: the paper's level is the lowest nearby, over blocks wider than a stroke.
-    block = max(1, max(grey.size) // 8)
-    paper = -F.max_pool2d(-x, block, stride=block, ceil_mode=True)
-    paper = -F.max_pool2d(-paper, 3, stride=1, padding=1)
-    paper = F.interpolate(paper, size=x.shape[2:], mode='bilinear', align_corners=False)
-    return (x - paper).clamp(min=0)[0, 0], (smooth - paper).clamp(min=0)[0, 0]
-
-
-def stroke_width(solid):
-    """The median width of a boolean image's strokes: at each ink pixel, the shorter of its runs of ink along
-    its row and its column."""
-    def runs(solid):
-        height, width = solid.shape
-        index = torch.arange(width).expand(height, width)
-        before = torch.where(solid, -1, index).cummax(1).values  # the last background pixel at or before
-        after = torch.where(solid, width, index).flip(1).cummin(1).values.flip(1)
-        return after - before - 1
-    return torch.minimum(runs(solid), runs(solid.T).T)[solid].float().median().item()
-
-
-def frame(ink, smooth):
-    """MNIST's framing of an ink map: a 28x28 'L' image of the digit, light on dark."""
-    peak = smooth.max().item()
-    if peak < MIN_CONTRAST:
-        raise Refused(422, NO_DIGIT)
-    threshold = 0.35 * peak
-    mask = smooth > threshold
-    rows, cols = mask.any(1).nonzero()[:, 0], mask.any(0).nonzero()[:, 0]
-    top, bottom, left, right = rows[0], rows[-1] + 1, cols[0], cols[-1] + 1
-    strokes = ink[top:bottom, left:right]
-    core = max(strokes[mask[top:bottom, left:right]].quantile(0.9).item(), threshold)
-    strokes = ((strokes - threshold / 2) / (core - threshold / 2)).clamp(0, 1)[None, None]
-    # Strokes as thick, for the digit's size, as MNIST's: about 2.9 pixels in its 20-pixel box.
-    height, width = strokes.shape[2:]
-    scale = MNIST_BOX / max(height, width)
-    thickness = stroke_width(strokes[0, 0] > 0.5) * scale
-    radius = round((MNIST_STROKE - thickness) / 2 / scale)
-    if thickness < 0.7 * MNIST_STROKE and radius > 0:  # a fine pen: broadened, the box grown to hold it
-        strokes = F.max_pool2d(F.pad(strokes, [radius] * 4), 2 * radius + 1, stride=1, padding=radius)
-        height, width = strokes.shape[2:]
-        scale = MNIST_BOX / max(height, width)
-    size = (max(1, round(height * scale)), max(1, round(width * scale)))
-    digit = F.interpolate(strokes, size=size, mode='area' if scale < 1 else 'bilinear')[0, 0]
-    digit = digit / digit.max()
-    # Centre of mass at MNIST's (14, 14), in whole pixels as MNIST placed its digits.
-    mass = digit.sum()
-    y = round(14 - (digit.sum(1) * torch.arange(size[0])).sum().item() / mass.item())
-    x = round(14 - (digit.sum(0) * torch.arange(size[1])).sum().item() / mass.item())
-    canvas = torch.zeros(28 + 2 * MNIST_BOX, 28 + 2 * MNIST_BOX)  # room for any shift; cropped below
-    canvas[MNIST_BOX + y:MNIST_BOX + y + size[0], MNIST_BOX + x:MNIST_BOX + x + size[1]] = digit
-    pixels = canvas[MNIST_BOX:MNIST_BOX + 28, MNIST_BOX:MNIST_BOX + 28].mul(255).round().to(torch.uint8)
-    return Image.frombytes('L', (28, 28), bytes(pixels.flatten().tolist()))
+        self.status, self.headers = status, headers
 
 
 def predict(model, batch):
@@ -259,15 +158,12 @@ def predict(model, batch):
 def images_in(body, content_type):
     """The image files a request body carries, in any of the accepted forms, and whether several were asked for."""
     if content_type.split(';')[0].strip().lower() == 'multipart/form-data':
-        boundary = re.search(r'boundary="?([^";]+)"?', content_type)
-        parts = body.split(b'--' + boundary.group(1).encode()) if boundary else []
-        files = []
-        for part in parts[1:-1]:  # between the preamble and the closing delimiter
-            head, _, content = part.partition(b'\r\n\r\n')
-            head = head.lower()
-            if (b'filename=' in head or b'content-type: image/' in head) and content[:-2]:
-                files.append(content[:-2])  # less the CRLF before the next delimiter
-        if not files:
+        form = email.parser.BytesParser(policy=email.policy.HTTP).parsebytes(
+            b'Content-Type: ' + content_type.encode('latin-1') + b'\r\n\r\n' + body)
+        parts = form.iter_parts() if form.is_multipart() else []
+        files = [part.get_payload(decode=True) for part in parts
+                 if part.get_filename() is not None or part.get_content_maintype() == 'image']
+        if not any(files):
             raise Refused(400, f'the form holds no file; {FORMS}')
         return files, len(files) > 1
     if body.lstrip()[:1] == b'{':  # JSON, whatever its Content-Type (curl -d says form-urlencoded)
@@ -284,15 +180,31 @@ def images_in(body, content_type):
     return [body], False
 
 
-def answer(model, body, content_type):
-    """The JSON reply to a POST /predict body (on a prediction thread)."""
+def read_image(data):
+    """One image's tensor, or Refused with the status its problem gets."""
+    try:
+        return framing.to_tensor(data)
+    except framing.NotAnImage as e:
+        raise Refused(400, f'the body is {e}; {FORMS}') from None
+    except framing.TooLarge as e:
+        raise Refused(413, str(e)) from None
+    except framing.NoDigit as e:
+        raise Refused(422, str(e)) from None
+    except ValueError as e:  # framing.Damaged
+        raise Refused(400, str(e)) from None
+
+
+def answer(model, body, content_type, dropped):
+    """The JSON reply to a POST /predict body, on a prediction thread; gives up once dropped (an Event) is set."""
     images, several = images_in(body, content_type)
     if len(images) > MAX_IMAGES:
         raise Refused(413, f'the request holds {len(images)} images; at most {MAX_IMAGES} are served at once')
     batch = []
     for k, image in enumerate(images):
+        if dropped.is_set():  # past the deadline, or the client has gone: nobody reads the answer
+            return None
         try:
-            batch.append(preprocess(image))
+            batch.append(read_image(image))
         except Refused as e:
             e.args = (f'image {k + 1} of {len(images)}: {e}',) if several else e.args
             raise
@@ -301,61 +213,56 @@ def answer(model, body, content_type):
     return {'predictions': replies} if several else replies[0]
 
 
-def log_request(method, target, status, started):
-    sys.stderr.write(f'{method} {target} {status} {(time.perf_counter() - started) * 1000:.1f} ms\n')
-
-
-def json_response(status, body, close=False, **headers):
-    """The status line, headers and body of a JSON reply, as bytes."""
-    data = json.dumps(body).encode()
-    lines = [f'HTTP/1.1 {status} {http.HTTPStatus(status).phrase}', 'content-type: application/json',
-             f'content-length: {len(data)}'] + [f'{name}: {value}' for name, value in headers.items()]
-    return '\r\n'.join(lines + ['connection: close'] * close + ['', '']).encode() + data
-
-
 class App:
-    """The ASGI application: routes and request forms; decoding and the model run on a fixed pool of threads."""
+    """The ASGI application of one worker process: routes and request forms; images are read and the model run
+    on a pool of threads, within a budget of body bytes, a queue bound and a deadline."""
 
-    def __init__(self, model, model_path, threads):
-        self.model, self.model_path = model, model_path
-        self.pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix='predict')
-        self.waiting = self.in_progress = 0
+    def __init__(self, model, args, in_progress):
+        self.model, self.args, self.in_progress = model, args, in_progress  # in_progress: a shared counter
+        self.pool = concurrent.futures.ThreadPoolExecutor(args.threads, thread_name_prefix='predict')
+        self.waiting, self.budget, self.room = 0, BODY_BUDGET, asyncio.Condition()
 
     async def __call__(self, scope, receive, send):
+        if scope['type'] != 'http':
+            return
         started = time.perf_counter()
-        self.in_progress += 1
+        self.in_progress.value += 1
         try:
             status, body, headers = await self.respond(scope, receive)
         except Refused as e:
-            status, body, headers = e.status, {'error': str(e)}, {'connection': 'close'} if e.close else {}
-        except ConnectionError:  # the client went away before its request was whole
-            return
+            status, body, headers = e.status, {'error': str(e)}, e.headers
+        except ConnectionError:  # the client went away: nobody to answer
+            status = 499
         except Exception as e:  # a bug of ours: the client gets JSON, the log one line with where it happened
             where = traceback.extract_tb(e.__traceback__)[-1]
             sys.stderr.write(f'error: {type(e).__name__}: {e} at {os.path.basename(where.filename)}:{where.lineno}\n')
             status, body, headers = 500, {'error': f'the server failed on this request ({type(e).__name__})'}, {}
         finally:
-            self.in_progress -= 1
-        data = body if isinstance(body, bytes) else json.dumps(body).encode()
-        headers = {'content-type': 'application/json', 'content-length': str(len(data)), **headers}
-        await send({'type': 'http.response.start', 'status': status,
-                    'headers': [(name.encode(), value.encode()) for name, value in headers.items()]})
-        await send({'type': 'http.response.body', 'body': data})
+            self.in_progress.value -= 1
+        if status != 499:
+            data = body if isinstance(body, bytes) else json.dumps(body).encode()
+            headers = {'content-type': 'application/json', 'content-length': str(len(data)), **headers}
+            await send({'type': 'http.response.start', 'status': status,
+                        'headers': [(name.encode(), value.encode()) for name, value in headers.items()]})
+            await send({'type': 'http.response.body', 'body': data})
         query = scope['query_string'].decode('latin-1')
-        log_request(scope['method'], scope['path'] + ('?' + query if query else ''), status, started)
+        target = scope['path'] + ('?' + query if query else '')
+        sys.stderr.write(f'{scope["method"]} {target} {status} {(time.perf_counter() - started) * 1000:.1f} ms\n')
 
     async def respond(self, scope, receive):
-        """(status, JSON body, headers) for one request."""
+        """(status, JSON body or bytes, headers) for one request."""
         path, method = scope['path'], scope['method']
+        if method not in ('GET', 'HEAD', 'POST', 'PUT', 'DELETE', 'PATCH', 'OPTIONS', 'CONNECT', 'TRACE'):
+            raise Refused(501, 'the method is not served: POST /predict, GET /health', connection='close')
         if path not in ROUTES:
             raise Refused(404, f'no such path: {path}; POST /predict, GET /health, or GET / for a page')
         allow = ', '.join(ROUTES[path] + ('OPTIONS',))
         if method == 'OPTIONS':
             return 200, {'allow': allow}, {'allow': allow}
         if method not in ROUTES[path]:
-            return 405, {'error': f'{path} takes {ROUTES[path][0]}'}, {'allow': allow}
+            raise Refused(405, f'{path} takes {ROUTES[path][0]}', allow=allow)
         if path == '/health':
-            return 200, {'status': 'ok', 'model': self.model_path}, {}
+            return 200, {'status': 'ok', 'model': self.args.model}, {}
         if path == '/':
             try:
                 with open(PAGE, 'rb') as f:
@@ -366,114 +273,75 @@ class App:
         headers = dict(scope['headers'])
         if b'content-length' not in headers and b'transfer-encoding' not in headers:
             raise Refused(411, f'the request has no Content-Length; {FORMS}')
-        if int(headers.get(b'content-length', 0)) > MAX_BODY_BYTES:  # refused before its body is read
-            raise Refused(413, f'the body has {int(headers[b"content-length"])} bytes; at most {MAX_BODY_BYTES} are '
-                               f'served', close=True)
-        body = await read_body(receive)
-        if not body:
-            raise Refused(400, f'the body is empty; {FORMS}')
-        if self.waiting >= MAX_WAITING:
-            return 503, {'error': f'{MAX_WAITING} requests are waiting already; try again shortly'}, {'retry-after': '1'}
-        self.waiting += 1
+        size = int(headers.get(b'content-length', MAX_BODY_BYTES))
+        if size > MAX_BODY_BYTES:  # refused before its body is read
+            raise Refused(413, f'the body has {size} bytes; at most {MAX_BODY_BYTES} are served', connection='close')
+        deadline = asyncio.get_running_loop().time() + self.args.timeout
+        async with self.body_room(size, deadline):
+            body = await read_body(receive, deadline, self.args.timeout)
+            if not body:
+                raise Refused(400, f'the body is empty; {FORMS}')
+            return 200, await self.run(body, headers.get(b'content-type', b'').decode('latin-1'), receive), {}
+
+    @contextlib.asynccontextmanager
+    async def body_room(self, size, deadline):
+        """Hold size bytes of the body budget while a body is read and answered; wait for them until the deadline."""
+        async with self.room:
+            try:
+                await asyncio.wait_for(self.room.wait_for(lambda: self.budget >= size),
+                                       deadline - asyncio.get_running_loop().time())
+            except asyncio.TimeoutError:
+                raise Refused(503, 'the server is busy reading other requests; try again shortly',
+                              connection='close', **{'retry-after': '1'}) from None
+            self.budget -= size
         try:
-            content_type = headers.get(b'content-type', b'').decode('latin-1')
-            reply = await asyncio.get_running_loop().run_in_executor(self.pool, answer, self.model, body, content_type)
+            yield
         finally:
+            async with self.room:
+                self.budget += size
+                self.room.notify_all()
+
+    async def run(self, body, content_type, receive):
+        """The reply, from a prediction thread, dropped when the client goes or the deadline passes."""
+        if self.waiting >= MAX_WAITING:
+            raise Refused(503, f'{MAX_WAITING} requests are waiting already; try again shortly', **{'retry-after': '1'})
+        self.waiting += 1
+        dropped = threading.Event()
+        work = asyncio.get_running_loop().run_in_executor(self.pool, answer, self.model, body, content_type, dropped)
+        gone = asyncio.ensure_future(receive())  # http.disconnect, once the client closes its connection
+        try:
+            done, _ = await asyncio.wait({work, gone}, timeout=self.args.deadline,
+                                         return_when=asyncio.FIRST_COMPLETED)
+            if work in done:
+                return work.result()
+            dropped.set()
+            if gone in done:
+                raise ConnectionResetError
+            raise Refused(503 if work.cancel() else 504, f'the image(s) were not read within {self.args.deadline:g}s; '
+                                                         f'try again, or send smaller images', **{'retry-after': '1'})
+        finally:
+            gone.cancel()
             self.waiting -= 1
-        return 200, reply, {}
 
 
-async def read_body(receive):
-    """The whole request body (sent with a Content-Length or chunked), at most MAX_BODY_BYTES."""
+async def read_body(receive, deadline, timeout):
+    """The whole request body (sent with a Content-Length or chunked), at most MAX_BODY_BYTES, by the deadline."""
     chunks, size = [], 0
+    loop = asyncio.get_running_loop()
     while True:
-        message = await receive()
+        try:
+            message = await asyncio.wait_for(receive(), deadline - loop.time())
+        except asyncio.TimeoutError:
+            raise Refused(408, f'the request did not arrive whole within {timeout:g}s', connection='close') from None
         if message['type'] == 'http.disconnect':
             raise ConnectionResetError
         chunks.append(message.get('body', b''))
         size += len(chunks[-1])
         if size > MAX_BODY_BYTES:
-            raise Refused(413, f'the body is over {MAX_BODY_BYTES} bytes; at most that many are served', close=True)
+            raise Refused(413, f'the body is over {MAX_BODY_BYTES} bytes; at most that many are served',
+                          connection='close')
         if not message.get('more_body'):
             return b''.join(chunks)
-
-
-class Protocol(HttpToolsProtocol):
-    """uvicorn's HTTP/1.1 protocol, plus what a public service needs: one deadline for each whole request
-    (headers and body), limits on the URL and headers, and a JSON reply to every malformed request."""
-    timeout = 30
-
-    def connection_made(self, transport):
-        super().connection_made(transport)
-        self.request_begun, self.refusal = False, None
-        self.deadline = self.loop.call_later(self.timeout, self.time_out)  # a connection that sends nothing
-
-    def connection_lost(self, exc):
-        self.deadline.cancel()
-        super().connection_lost(exc)
-
-    def on_message_begin(self):
-        super().on_message_begin()
-        self.deadline.cancel()
-        self.deadline = self.loop.call_later(self.timeout, self.time_out)
-        self.request_begun, self.header_bytes, self.started = True, 0, time.perf_counter()
-
-    def on_url(self, url):
-        super().on_url(url)
-        if len(self.url) > MAX_URL_BYTES:
-            self.refuse(414, f'the URL is over {MAX_URL_BYTES} bytes')
-
-    def on_header(self, name, value):
-        super().on_header(name, value)
-        self.header_bytes += len(name) + len(value) + 4
-        if self.header_bytes > MAX_HEADER_BYTES:
-            self.refuse(431, f'the headers are over {MAX_HEADER_BYTES} bytes')
-
-    def on_message_complete(self):
-        self.deadline.cancel()
-        self.request_begun = False
-        super().on_message_complete()
-
-    def refuse(self, status, message):
-        self.refusal = (status, message)
-        raise ValueError(message)  # httptools stops parsing; data_received answers
-
-    def data_received(self, data):
-        self._unset_keepalive_if_required()
-        try:
-            self.parser.feed_data(data)
-        except httptools.HttpParserUpgrade:
-            self.send_error(501, 'protocol upgrades (WebSocket, h2c) are not served')
-        except httptools.HttpParserError as e:
-            if isinstance(e, httptools.HttpParserInvalidMethodError):
-                self.refusal = (501, 'the method is not served: POST /predict, GET /health')
-            elif 'Transfer-Encoding' in str(e):
-                self.refusal = (501, 'the Transfer-Encoding is not served: send the body as it is, or chunked')
-            self.send_error(*(self.refusal or (400, f'the request is malformed: {e}')))
-
-    def time_out(self):
-        this_cycle = self.cycle is not None and self.cycle.scope is self.scope
-        if self.request_begun and not (this_cycle and self.cycle.response_started):
-            self.send_error(408, f'the request did not arrive whole within {self.timeout:g}s')
-        elif not self.transport.is_closing():
-            self.transport.close()
-
-    def send_error(self, status, message):
-        """Answer a request the application never sees, and close the connection (it cannot be read on)."""
-        if not self.transport.is_closing():
-            self.transport.write(json_response(status, {'error': message}, close=True))
-            self.transport.close()
-        url = self.url.decode('latin-1')[:200] if self.request_begun or self.refusal else '-'
-        log_request('-', url or '-', status, getattr(self, 'started', time.perf_counter()))
-
-
-class Server(uvicorn.Server):
-    def handle_exit(self, sig, frame):
-        if not self.should_exit:
-            app = self.config.app
-            print(f'Stopping on {signal.Signals(sig).name}: accepting no new connections, answering the requests in '
-                  f'progress ({app.in_progress}) within {self.config.timeout_graceful_shutdown:g}s.', flush=True)
-        super().handle_exit(sig, frame)
 
 
 def listen(host, port):
@@ -499,34 +367,74 @@ def listen(host, port):
     return sock
 
 
+def server_of(model, args, in_progress):
+    """uvicorn, with its documented settings, serving App."""
+    return uvicorn.Server(uvicorn.Config(
+        App(model, args, in_progress), http='h11', h11_max_incomplete_event_size=MAX_HEAD_BYTES, ws='none', lifespan='off', log_level='warning', access_log=False,
+        server_header=False, timeout_keep_alive=60, timeout_graceful_shutdown=args.grace))
+
+
+def worker(model, args, sock, in_progress):
+    """A worker process: uvicorn on the shared socket, stopped by its own signals (SIGTERM from the first process)."""
+    torch.set_num_threads(1)
+    server_of(model, args, in_progress).run(sockets=[sock])
+
+
+def serve(model, args):
+    """Serve on --workers processes: this one and workers - 1 more, sharing one listening socket."""
+    sock = listen(args.host, args.port)
+    torch.set_num_threads(1)  # a tiny model: one torch thread per request, requests on --threads threads
+    # fork on Linux (the processes share torch's memory; no thread runs yet), spawn where fork is unsafe or absent
+    context = multiprocessing.get_context('fork' if sys.platform == 'linux' else 'spawn')
+    in_progress = [context.RawValue('i', 0) for _ in range(args.workers)]
+    workers = [context.Process(target=worker, args=(model, args, sock, count), daemon=True)
+               for count in in_progress[1:]]
+    for process in workers:
+        process.start()
+    server = server_of(model, args, in_progress[0])
+    thread = threading.Thread(target=server.run, kwargs={'sockets': [sock]})  # signals stay with this thread
+
+    def stop(sig, frame):
+        if not server.should_exit:
+            print(f'Stopping on {signal.Signals(sig).name}: accepting no new connections, answering the requests '
+                  f'in progress ({sum(count.value for count in in_progress)}) within {args.grace:g}s.', flush=True)
+        server.should_exit = True
+        for process in workers:
+            if process.is_alive():
+                os.kill(process.pid, signal.SIGTERM)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, stop)
+    thread.start()
+    host, port = sock.getsockname()[:2]
+    print(f'Serving {args.model} on http://{f"[{host}]" if ":" in host else host}:{port} with {args.workers} worker '
+          f'process{"es" * (args.workers > 1)}: POST /predict, GET /health, and a page to try it at /', flush=True)
+    reported = set()
+    while thread.is_alive():
+        thread.join(0.5)
+        for process in workers:
+            if process.exitcode not in (None, 0) and process.pid not in reported and not server.should_exit:
+                reported.add(process.pid)
+                print(f'warning: worker process {process.pid} ended with exit code {process.exitcode}; the others '
+                      f'go on serving', file=sys.stderr, flush=True)
+    for process in workers:
+        process.join(args.grace + 5)
+    return 0
+
+
 def main(args):
     model = load_model(args.model)
-    if args.predict:
-        failed = False
-        for path in args.predict:
-            try:
-                with open(path, 'rb') as f:
-                    digits, probabilities = predict(model, preprocess(f.read()))
-                print(f'{path}: {digits[0]} ({max(probabilities[0]):.1%})')
-            except (OSError, Refused) as e:
-                print(f'{path}: error: {e}', file=sys.stderr)
-                failed = True
-        return 1 if failed else 0
-    sock = listen(args.host, args.port)
-    torch.set_num_threads(1)  # a tiny model: one torch thread per request, the requests on --threads threads
-    Protocol.timeout = args.timeout
-    app = App(model, args.model, args.threads)
-    server = Server(uvicorn.Config(app, http=Protocol, ws='none', lifespan='off', log_level='warning',
-                                   access_log=False, timeout_keep_alive=60, backlog=2048,
-                                   timeout_graceful_shutdown=args.grace))
-    host, port = sock.getsockname()[:2]
-    print(f'Serving {args.model} on http://{f"[{host}]" if ":" in host else host}:{port} with {args.threads} '
-          f'threads: POST /predict, GET /health, and a page to try it at /', flush=True)
-    for sig in (signal.SIGINT, signal.SIGTERM):  # uvicorn handles them, then raises them again: nothing more to do
-        signal.signal(sig, signal.SIG_IGN)
-    server.run(sockets=[sock])
-    app.pool.shutdown()
-    return 0
+    if not args.predict:
+        return serve(model, args)
+    failed = False
+    for path in args.predict:
+        try:
+            with open(path, 'rb') as f:
+                digits, probabilities = predict(model, read_image(f.read()))
+            print(f'{path}: {digits[0]} ({max(probabilities[0]):.1%})')
+        except (OSError, Refused) as e:
+            print(f'{path}: error: {e}', file=sys.stderr)
+            failed = True
+    return 1 if failed else 0
 
 
 if __name__ == '__main__':

@@ -46,11 +46,11 @@ def drawn(digit, rng):
 
 @pytest.fixture(scope='module')
 def model_file(tmp_path_factory):
-    import serve
+    import framing
     rng = random.Random(0)
     torch.manual_seed(0)
     labels = [digit for digit in SHAPES for _ in range(150)]
-    images = torch.cat([serve.preprocess(drawn(digit, rng)) for digit in labels])
+    images = torch.cat([framing.to_tensor(drawn(digit, rng)) for digit in labels])
     labels = torch.tensor(labels)
     model = common.SimpleCNN()
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)

@@ -66,12 +66,12 @@ def test_each_training_scripts_data_equal_the_documents_tensors(module_name, mni
 
 
 def test_serve_gives_an_mnist_png_the_documents_tensor(mnist_dir):
-    import serve
+    import framing
     document = datasets.MNIST(root=mnist_dir, train=False, transform=DOCUMENT_TRANSFORM)
     for i in range(50):
         buffer = io.BytesIO()
         Image.fromarray(document.data[i].numpy()).save(buffer, 'PNG')
-        assert torch.equal(serve.preprocess(buffer.getvalue())[0], document[i][0]), i
+        assert torch.equal(framing.to_tensor(buffer.getvalue())[0], document[i][0]), i
 
 
 def accuracies(stdout):

@@ -18,6 +18,7 @@ import pytest
 import torch
 from PIL import Image, ImageDraw
 
+import framing
 from conftest import ROOT, free_port, run, start
 
 SERVE = ROOT / 'serve.py'
@@ -86,7 +87,7 @@ def post(port, body, headers=None):
 def expected(model_file, *images):
     import serve as serve_module
     model = serve_module.load_model(model_file)
-    digits, probabilities = serve_module.predict(model, torch.cat([serve_module.preprocess(i) for i in images]))
+    digits, probabilities = serve_module.predict(model, torch.cat([framing.to_tensor(i) for i in images]))
     return [{'digit': d, 'probabilities': pytest.approx(p, abs=1e-6)} for d, p in zip(digits, probabilities)]
 
 
@@ -149,20 +150,37 @@ def test_a_bad_image_among_several_is_named(server):
 
 
 @pytest.mark.parametrize('raw, status, message', [
-    (b'POST /predict HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n', 400, 'Content-Length'),
     (b'POST /predict HTTP/1.1\r\nHost: x\r\n\r\n', 411, 'the request has no Content-Length'),
     (b'POST /predict HTTP/1.1\r\nHost: x\r\nContent-Length: 20000000\r\n\r\n', 413, 'at most 10485760'),
-    (b'GET /health?' + b'a' * 70000 + b' HTTP/1.1\r\nHost: x\r\n\r\n', 414, 'the URL is over 8192 bytes'),
-    (b'GET /health HTTP/1.1\r\nHost: x\r\nX-Big: ' + b'a' * 20000 + b'\r\n\r\n', 431, 'the headers are over'),
     (b'BREW /predict HTTP/1.1\r\nHost: x\r\n\r\n', 501, 'the method is not served'),
-    (b'POST /predict HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip\r\n\r\n', 501, 'Transfer-Encoding'),
-    (b'GET /health HTTP/1.1 extra\r\n\r\n', 400, 'the request is malformed'),
-    (b'GARBAGE\r\n\r\n', 501, 'the method is not served'),
     (b'PUT /predict HTTP/1.1\r\nHost: x\r\n\r\n', 405, '/predict takes POST'),
 ])
 def test_every_request_gets_a_json_reply(server, raw, status, message):
     replies, _ = exchange(server[0], raw, count=1)
     assert len(replies) == 1 and replies[0][0] == status and message in replies[0][2]['error'], replies
+
+
+@pytest.mark.parametrize('raw', [
+    b'POST /predict HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n',
+    b'GET /health?' + b'a' * 70000 + b' HTTP/1.1\r\nHost: x\r\n\r\n',
+    b'GET /health HTTP/1.1\r\nHost: x\r\nX-Big: ' + b'a' * 20000 + b'\r\n\r\n',
+    b'POST /predict HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip\r\n\r\n',
+    b'GET /health HTTP/1.1 extra\r\n\r\n',
+    b'GARBAGE\r\n\r\n',
+], ids=['length', 'url', 'headers', 'coding', 'version', 'garbage'])
+def test_a_request_uvicorn_cannot_parse_gets_400_and_the_connection_closes(server, raw):
+    """uvicorn's own reply (text, not JSON: docs/serving.md), before the application sees the request; a head
+    (request line and headers) still incomplete past 16 KB is refused so."""
+    with socket.create_connection(('127.0.0.1', server[0]), timeout=10) as s:
+        try:  # the head's end apart: the server holds an incomplete head of at most 16 KB, whatever comes
+            s.sendall(raw[:-4])
+            time.sleep(0.2)
+            s.sendall(raw[-4:])
+        except OSError:  # closed while the oversized head was still being sent
+            pass
+        reply = b''.join(iter(lambda: s.recv(65536), b''))  # until the server closes
+    assert reply.startswith(b'HTTP/1.1 400 '), reply[:200]
+    assert post(server[0], png(5))[0] == 200
 
 
 def test_head_and_options(server):
@@ -187,27 +205,23 @@ def test_a_kept_alive_connection_stays_usable_after_an_error(server, first):
     assert replies[1][2]['status'] == 'ok' and not closed
 
 
-def test_a_whole_request_has_one_deadline_however_slowly_it_trickles(server):
+def test_a_body_has_one_deadline_however_slowly_it_trickles(server):
     port, _, reader = server  # --timeout 2
-    for head in (b'GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: ' + b'a' * 60,  # headers, a byte at a time
-                 b'POST /predict HTTP/1.1\r\nHost: x\r\nContent-Length: 200\r\n\r\n' + b'x' * 60):  # the body
-        with socket.create_connection(('127.0.0.1', port), timeout=10) as s:
-            sent = 0
-            s.sendall(head[:-60])
-            try:
-                for byte in head[-60:]:  # 60 bytes 0.1 s apart: each read is quick, the whole takes 6 s
-                    s.sendall(bytes([byte]))
-                    sent += 1
-                    time.sleep(0.1)
-            except OSError:  # the server closed the connection
-                pass
-            replies, closed = read_replies(s)
-        assert closed and [status for status, _, _ in replies] == [408], replies
-        assert 'did not arrive whole within 2s' in replies[0][2]['error']
-        assert sent < 60, 'cut off before the client finished'
-    # A connection that sends nothing is closed at the deadline too.
+    head = b'POST /predict HTTP/1.1\r\nHost: x\r\nContent-Length: 200\r\n\r\n'
     with socket.create_connection(('127.0.0.1', port), timeout=10) as s:
-        assert s.recv(100) == b''
+        sent = 0
+        s.sendall(head)
+        try:
+            for _ in range(60):  # 60 bytes 0.1 s apart: each read is quick, the whole takes 6 s
+                s.sendall(b'x')
+                sent += 1
+                time.sleep(0.1)
+        except OSError:  # the server closed the connection
+            pass
+        replies, closed = read_replies(s)
+    assert closed and [status for status, _, _ in replies] == [408], replies
+    assert 'did not arrive whole within 2s' in replies[0][2]['error']
+    assert sent < 60, 'cut off before the client finished'
 
 
 def test_connections_cost_no_threads_and_bursts_are_not_dropped(server):
@@ -228,23 +242,6 @@ def test_connections_cost_no_threads_and_bursts_are_not_dropped(server):
     listening = subprocess.run(['ss', '-ltnH', f'sport = :{port}'], capture_output=True, text=True).stdout
     if listening:
         assert int(listening.split()[2]) >= 128, listening
-
-
-def test_large_images_are_decoded_reduced(tmp_path):
-    import serve as serve_module
-    for size, mode, fmt in ((4096, 'RGBA', 'PNG'), (8000, 'RGB', 'JPEG'), (3000, 'P', 'GIF')):
-        image = Image.new(mode, (size, size // 2), 'white')
-        ImageDraw.Draw(image).ellipse((size // 3, size // 8, size * 2 // 3, size * 3 // 8), outline='black',
-                                      width=size // 30)
-        buffer = io.BytesIO()
-        image.save(buffer, fmt)
-        decoded = serve_module.decode(buffer.getvalue())
-        assert max(decoded.size) <= 2 * serve_module.WORK_SIDE, (fmt, decoded.size)
-        assert serve_module.preprocess(buffer.getvalue()).shape == (1, 1, 28, 28)
-    buffer = io.BytesIO()
-    Image.new('L', (40_000_000, 1)).save(buffer, 'PNG')  # 40 megapixels in a few KB
-    with pytest.raises(serve_module.Refused, match='at most 16777216 are served'):
-        serve_module.decode(buffer.getvalue())
 
 
 def test_eight_largest_images_at_once_stay_under_the_memory_bound(model_file):

@@ -1,0 +1,231 @@
+"""Any picture of a digit framed as MNIST framed its digits, for the model the training scripts train.
+
+MNIST's digits were fitted into a 20x20 box keeping their aspect ratio, then placed with their centre
+of mass at the centre of a 28x28 image, light on dark. This module does the same to a photo, a
+drawing or a scan, and applies the document's transform:
+
+    import framing
+    framing.to_mnist(open('digit.jpg', 'rb').read())   # the 28x28 'L' image the model reads
+    framing.to_tensor(pil_image)                        # [1, 1, 28, 28], as the training data
+
+Bytes (PNG, JPEG, GIF, BMP, WebP, ...) or a PIL image go in. A 28x28 image is taken as MNIST's own
+format (only inverted if dark on light): an MNIST test image gives bit for bit the tensor the scripts
+validate on. Errors: NotAnImage, Damaged and TooLarge (all ValueErrors), and NoDigit for a blank
+picture. The cost is bounded whatever the size: the digit is found on a copy at most WORK_SIDE pixels
+a side, and read from a crop around it reduced to the same size.
+"""
+import io
+import math
+
+import torch
+import torch.nn.functional as F
+from PIL import Image, ImageOps, UnidentifiedImageError
+from torchvision import transforms
+
+# The training data's preprocessing, as in the document
+transform = transforms.Compose([
+    transforms.ToTensor(),
+    transforms.Normalize((0.5,), (0.5,))
+])
+MAX_PIXELS = 4096 * 4096  # decoded at full size; a JPEG may have 16 times as many: it is decoded at 1/2-1/8 scale
+JPEG_SIDE = 1024  # a large JPEG is decoded at reduced scale, still at least this many pixels a side
+WORK_SIDE = 320  # larger pictures are read from a reduced copy and a reduced crop around the digit
+Image.MAX_IMAGE_PIXELS = 16 * MAX_PIXELS  # Pillow's own decompression-bomb check, past our limits
+MNIST_BOX, MNIST_STROKE = 20, 2.9  # MNIST fitted its digits into 20x20; its strokes' median width
+MIN_CONTRAST = 0.1  # of the ink against the paper, in 0-1: below it, no digit
+
+
+class NotAnImage(ValueError):
+    """Bytes that are no image format Pillow reads."""
+
+
+class Damaged(ValueError):
+    """An image that cannot be decoded: truncated or corrupt."""
+
+
+class TooLarge(ValueError):
+    """An image with more pixels than MAX_PIXELS (16 times that for a JPEG)."""
+
+
+class NoDigit(ValueError):
+    """A picture with no ink: blank, or all of one colour."""
+
+    def __init__(self):
+        super().__init__('the image has no digit: it is blank or all of one colour (send a dark digit on light '
+                         'paper, or light on dark)')
+
+
+def decode(data):
+    """Image bytes -> a PIL image upright, in 'L', 'LA', 'RGB' or 'RGBA', decoded within bounded memory."""
+    try:
+        image = Image.open(io.BytesIO(data))  # reads the header only
+        width, height = image.size
+        limit = 16 * MAX_PIXELS if image.format == 'JPEG' else MAX_PIXELS
+        if width * height <= limit:
+            if image.format == 'JPEG':  # decoded at 1/2, 1/4 or 1/8 scale, still at least JPEG_SIDE a side
+                scale = max(1, max(width, height) // JPEG_SIDE)
+                image.draft(image.mode, (width // scale, height // scale))
+            image.load()
+    except Image.DecompressionBombError as e:
+        raise TooLarge(str(e)) from None
+    except UnidentifiedImageError:
+        raise NotAnImage('not an image Pillow can read (PNG, JPEG, BMP, ...)') from None
+    except (OSError, ValueError, SyntaxError) as e:  # a truncated or damaged image
+        raise Damaged(f'the image cannot be decoded ({e})') from None
+    if width * height > limit:
+        raise TooLarge(f'the image has {width}x{height} pixels; at most {limit} are served')
+    return upright(image)
+
+
+def upright(image):
+    """A phone photo's EXIF orientation applied, and the modes other than L, LA, RGB, RGBA converted."""
+    if image.getexif().get(0x0112, 1) != 1:
+        image = ImageOps.exif_transpose(image)
+    if image.mode not in ('L', 'LA', 'RGB', 'RGBA'):  # palette, 1-bit, CMYK, 16-bit
+        image = image.convert('RGBA' if 'transparency' in image.info or image.mode.endswith('A') else 'RGB')
+    return image
+
+
+def to_tensor(picture):
+    """Image bytes or a PIL image -> the model's input, [1, 1, 28, 28]."""
+    return transform(to_mnist(picture)).unsqueeze(0)
+
+
+def to_mnist(picture):
+    """Image bytes or a PIL image -> the digit as MNIST framed its digits: a 28x28 'L' image, light on dark."""
+    image = decode(picture) if isinstance(picture, (bytes, bytearray, memoryview)) else upright(picture)
+    if image.size == (28, 28) and image.mode in ('L', 'RGB'):
+        image = image.convert('L')
+        border = [image.getpixel((x, y)) for x in range(28) for y in (0, 27)] + \
+                 [image.getpixel((x, y)) for x in (0, 27) for y in range(1, 27)]
+        if sum(border) / len(border) > 127:  # a dark digit on light paper: MNIST's digits are light on dark
+            image = ImageOps.invert(image)
+        low, high = image.getextrema()
+        if high - low < 32:
+            raise NoDigit
+        return image
+    grey = ink_layer(image)
+    if max(grey.size) > WORK_SIDE:
+        grey = around_the_digit(grey)
+    return frame(*ink_of(pixels(grey)))
+
+
+def ink_layer(image):
+    """An 'L' image of the picture: strokes on a transparent canvas are read from their opacity, light or dark;
+    other transparent pictures are put on white."""
+    if image.mode in ('LA', 'RGBA'):
+        alpha = image.getchannel('A')
+        drawn = sum(alpha.histogram()[128:]) < alpha.width * alpha.height / 2
+        low, high = alpha.getextrema()
+        image = alpha if high - low > 64 and drawn else \
+            Image.alpha_composite(Image.new('RGBA', image.size, 'white'), image.convert('RGBA'))
+    return image.convert('L')
+
+
+def pixels(grey):
+    """An 'L' image as a float tensor [1, 1, H, W] in 0-1."""
+    x = torch.frombuffer(bytearray(grey.tobytes()), dtype=torch.uint8).reshape(grey.height, grey.width)
+    return x.float().div(255)[None, None]
+
+
+def around_the_digit(grey):
+    """A large 'L' picture -> a crop around its digit, reduced to at most about WORK_SIDE pixels a side.
+
+    Both reductions keep the ink's darkest (or lightest) pixel of each block, so a fine pen's strokes stay
+    whole: the digit is found on a reduced copy of the whole picture, then read from a crop of the original."""
+    x = torch.frombuffer(bytearray(grey.tobytes()), dtype=torch.uint8).reshape(grey.height, grey.width)
+    dark = ink_is_dark(pixels(grey.reduce(max(1, max(grey.size) // WORK_SIDE))))
+    factor = math.ceil(max(grey.size) / WORK_SIDE)
+    survey = ink_of(keep_ink(x, factor, dark).float().div(255)[None, None], dark)[1]
+    mask = survey > 0.35 * survey.max()
+    if survey.max() < MIN_CONTRAST:
+        raise NoDigit
+    rows, cols = mask.any(1).nonzero()[:, 0], mask.any(0).nonzero()[:, 0]
+    top, bottom, left, right = (rows[0].item() * factor, (rows[-1].item() + 1) * factor,
+                                cols[0].item() * factor, (cols[-1].item() + 1) * factor)
+    margin = max(bottom - top, right - left) // 4 + factor  # paper around the digit, for its level
+    top, left = max(0, top - margin), max(0, left - margin)
+    crop = x[top:bottom + margin, left:right + margin]
+    crop = keep_ink(crop, math.ceil(max(crop.shape) / WORK_SIDE), dark)
+    return Image.frombytes('L', (crop.shape[1], crop.shape[0]), crop.contiguous().numpy().tobytes())
+
+
+def keep_ink(x, factor, dark):
+    """A uint8 image [H, W] reduced by factor, each block to its darkest pixel (dark ink) or its lightest; a side
+    shorter than a block is one block, and the last pixels of a side that blocks do not fill are left out."""
+    if factor == 1:
+        return x
+    (rows, height), (cols, width) = [(max(1, n // factor), min(n, factor)) for n in x.shape]
+    blocks = x[:rows * height, :cols * width].reshape(rows, height, cols, width)
+    return blocks.amin(dim=(1, 3)) if dark else blocks.amax(dim=(1, 3))
+
+
+def ink_is_dark(x):
+    """Whether a picture's ink [1, 1, H, W] is darker than its paper (the paper: the median of its border)."""
+    smooth = F.avg_pool2d(x, 3, stride=1, padding=1, count_include_pad=False)
+    ring = max(1, min(x.shape[2:]) // 16)
+    paper = torch.cat([x[..., :ring, :].flatten(), x[..., -ring:, :].flatten(), x[..., :ring].flatten(),
+                       x[..., -ring:].flatten()]).median()
+    return bool(paper - smooth.min() > smooth.max() - paper)
+
+
+def ink_of(x, dark=None):
+    """The ink of a picture [1, 1, H, W], light on dark whichever it was, as float tensors [H, W]: 0 on the paper,
+    up to 1 at the strokes' cores; and the same averaged over 3x3 pixels, to tell ink from noise."""
+    smooth = F.avg_pool2d(x, 3, stride=1, padding=1, count_include_pad=False)  # noise and JPEG speckle averaged
+    if ink_is_dark(x) if dark is None else dark:  # make it light on dark
+        x, smooth = 1 - x, 1 - smooth
+    # Uneven paper or light: the paper's level is the lowest nearby, over blocks wider than a stroke.
+    block = max(1, max(x.shape[2:]) // 8)
+    paper = -F.max_pool2d(-x, block, stride=block, ceil_mode=True)
+    paper = -F.max_pool2d(-paper, 3, stride=1, padding=1)
+    paper = F.interpolate(paper, size=x.shape[2:], mode='bilinear', align_corners=False)
+    return (x - paper).clamp(min=0)[0, 0], (smooth - paper).clamp(min=0)[0, 0]
+
+
+def stroke_width(solid):
+    """The median width of a boolean image's strokes: at each ink pixel, the shorter of its runs of ink along
+    its row and its column."""
+    def runs(solid):
+        height, width = solid.shape
+        index = torch.arange(width).expand(height, width)
+        before = torch.where(solid, -1, index).cummax(1).values  # the last background pixel at or before
+        after = torch.where(solid, width, index).flip(1).cummin(1).values.flip(1)
+        return after - before - 1
+    return torch.minimum(runs(solid), runs(solid.T).T)[solid].float().median().item()
+
+
+def frame(ink, smooth):
+    """MNIST's framing of an ink map: a 28x28 'L' image of the digit, light on dark."""
+    peak = smooth.max().item()
+    if peak < MIN_CONTRAST:
+        raise NoDigit
+    threshold = 0.35 * peak
+    mask = smooth > threshold
+    rows, cols = mask.any(1).nonzero()[:, 0], mask.any(0).nonzero()[:, 0]
+    top, bottom, left, right = rows[0], rows[-1] + 1, cols[0], cols[-1] + 1
+    strokes = ink[top:bottom, left:right]
+    core = max(strokes[mask[top:bottom, left:right]].quantile(0.9).item(), threshold)
+    strokes = ((strokes - threshold / 2) / (core - threshold / 2)).clamp(0, 1)[None, None]
+    # Strokes as thick, for the digit's size, as MNIST's: about 2.9 pixels in its 20-pixel box.
+    height, width = strokes.shape[2:]
+    scale = MNIST_BOX / max(height, width)
+    thickness = stroke_width(strokes[0, 0] > 0.5) * scale
+    radius = round((MNIST_STROKE - thickness) / 2 / scale)
+    if thickness < 0.7 * MNIST_STROKE and radius > 0:  # a fine pen: broadened, the box grown to hold it
+        strokes = F.pad(strokes, [radius] * 4)  # a square pen: its rows, then its columns
+        strokes = F.max_pool2d(strokes, (2 * radius + 1, 1), stride=1, padding=(radius, 0))
+        strokes = F.max_pool2d(strokes, (1, 2 * radius + 1), stride=1, padding=(0, radius))
+        height, width = strokes.shape[2:]
+        scale = MNIST_BOX / max(height, width)
+    size = (max(1, round(height * scale)), max(1, round(width * scale)))
+    digit = F.interpolate(strokes, size=size, mode='area' if scale < 1 else 'bilinear')[0, 0]
+    digit = digit / digit.max()
+    # Centre of mass at MNIST's (14, 14), in whole pixels as MNIST placed its digits.
+    mass = digit.sum()
+    y = round(14 - (digit.sum(1) * torch.arange(size[0])).sum().item() / mass.item())
+    x = round(14 - (digit.sum(0) * torch.arange(size[1])).sum().item() / mass.item())
+    canvas = torch.zeros(28 + 2 * MNIST_BOX, 28 + 2 * MNIST_BOX)  # room for any shift; cropped below
+    canvas[MNIST_BOX + y:MNIST_BOX + y + size[0], MNIST_BOX + x:MNIST_BOX + x + size[1]] = digit
+    pixels = canvas[MNIST_BOX:MNIST_BOX + 28, MNIST_BOX:MNIST_BOX + 28].mul(255).round().to(torch.uint8)
+    return Image.frombytes('L', (28, 28), bytes(pixels.flatten().tolist()))

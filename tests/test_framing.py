@@ -1,0 +1,138 @@
+"""framing.py, the reading of pictures, without a server: bytes or PIL images in, MNIST's 28x28 out."""
+import io
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image, ImageDraw, ImageOps
+from torchvision import datasets
+
+import framing
+
+
+def encode(image, fmt='PNG', **options):
+    buffer = io.BytesIO()
+    image.save(buffer, fmt, **options)
+    return buffer.getvalue()
+
+
+def seven(size=(300, 240), box=(100, 60, 180, 190), paper=235, ink=30, width=10):
+    """A dark 7 drawn on light paper: an 'L' image."""
+    image = Image.new('L', size, paper)
+    left, top, right, bottom = box
+    ImageDraw.Draw(image).line((left, top, right, top, (left + right) // 2, bottom), ink, width, joint='curve')
+    return image
+
+
+def framed(image, fmt='PNG', **options):
+    return framing.to_tensor(encode(image, fmt, **options))[0, 0]
+
+
+def geometry(tensor):
+    """(largest side of the ink's box, centre of mass (row, column)) of a framed 28x28 tensor."""
+    ink = (tensor + 1) / 2  # back to 0-1, the document's Normalize undone
+    rows, cols = (ink > 0.05).any(1).nonzero()[:, 0], (ink > 0.05).any(0).nonzero()[:, 0]
+    mass = ink.sum()
+    centre = ((ink.sum(1) * torch.arange(28)).sum() / mass, (ink.sum(0) * torch.arange(28)).sum() / mass)
+    return max(rows[-1] - rows[0] + 1, cols[-1] - cols[0] + 1).item(), [round(c.item(), 1) for c in centre]
+
+
+def like(tensor, reference, at_least):
+    overlap = torch.nn.functional.cosine_similarity((tensor + 1).flatten(), (reference + 1).flatten(), dim=0)
+    return overlap > at_least, overlap.item()
+
+
+def test_an_mnist_png_gives_bit_for_bit_the_validation_tensor(mnist_dir):
+    dataset = datasets.MNIST(root=mnist_dir, train=False, transform=framing.transform)
+    for i in range(20):
+        png = encode(Image.fromarray(dataset.data[i].numpy()))
+        assert torch.equal(framing.to_tensor(png)[0], dataset[i][0]), f'image {i}'
+        assert torch.equal(framing.to_tensor(Image.fromarray(dataset.data[i].numpy()))[0], dataset[i][0])
+        assert framing.to_mnist(png).tobytes() == dataset.data[i].numpy().tobytes()
+
+
+def test_any_picture_is_framed_as_mnist_framed_its_digits():
+    reference = framed(seven())
+    side, (row, col) = geometry(reference)
+    assert 19 <= side <= 21 and abs(row - 14) <= 0.5 and abs(col - 14) <= 0.5, geometry(reference)
+    assert reference.mean() < 0, 'light on dark, as MNIST'
+    # Small, off-centre in a large frame, on grey and unevenly lit paper, noisy, as a JPEG.
+    photo = seven((1200, 900), (900, 100, 960, 190), paper=150, ink=40, width=7)
+    gradient = Image.linear_gradient('L').resize(photo.size).point(lambda v: v // 4)
+    photo = Image.fromarray(np.clip(np.asarray(photo, np.int16) + np.asarray(gradient, np.int16) +
+                                    np.random.default_rng(0).normal(0, 6, photo.size[::-1]), 0, 255).astype(np.uint8))
+    variants = {
+        'photo': framed(photo, 'JPEG', quality=70),
+        'light on dark': framed(ImageOps.invert(seven())),
+        'colour': framed(Image.merge('RGB', [seven(paper=250, ink=200), seven(paper=240, ink=20),
+                                               seven(paper=220, ink=20)])),
+        'a PIL image': framing.to_tensor(seven())[0, 0],
+    }
+    for name, tensor in variants.items():
+        side, (row, col) = geometry(tensor)
+        assert 19 <= side <= 21 and abs(row - 14) <= 0.5 and abs(col - 14) <= 0.5, (name, geometry(tensor))
+        assert like(tensor, reference, 0.8)[0], (name, like(tensor, reference, 0.8))
+
+
+def test_exif_orientation_and_transparency_are_honoured():
+    reference = framed(seven())
+    exif = Image.Exif()
+    exif[0x0112] = 6  # stored on its side: turn 90 degrees clockwise to view
+    assert torch.equal(framed(seven().rotate(90, expand=True), exif=exif), reference)
+    strokes = ImageOps.invert(seven(paper=235, ink=20))  # the drawing's opacity: 0 around the strokes
+    for colour in ('white', 'black'):  # light or dark strokes on a transparent canvas
+        canvas = Image.new('RGBA', strokes.size, colour)
+        canvas.putalpha(strokes)
+        assert torch.allclose(framed(canvas), reference, atol=0.1), colour
+    palette = seven(paper=0, ink=255).convert('P')  # a white 7 on black, black made transparent
+    palette.info['transparency'] = 0
+    assert like(framed(palette, transparency=0), reference, 0.95)[0]
+
+
+@pytest.mark.parametrize('side, width', [(1024, 3), (2000, 3), (4096, 2), (4096, 160)])
+def test_a_large_picture_is_read_from_a_crop_of_bounded_size(side, width, monkeypatch):
+    """Fine and broad pens on large canvases: the digit is framed as on a small one, and the work on the
+    ink is done on at most about WORK_SIDE pixels a side, whatever the picture's size."""
+    sizes, frame = [], framing.frame
+    monkeypatch.setattr(framing, 'frame', lambda ink, smooth: (sizes.append(ink.shape), frame(ink, smooth))[1])
+    scale = side / 300
+    big = seven((side, side * 4 // 5), tuple(round(v * scale) for v in (100, 60, 180, 190)), width=width)
+    tensor = framed(big)
+    assert max(sizes[0]) <= framing.WORK_SIDE * 1.6, sizes
+    side_, (row, col) = geometry(tensor)
+    assert 19 <= side_ <= 21 and abs(row - 14) <= 0.5 and abs(col - 14) <= 0.5, geometry(tensor)
+    assert like(tensor, framed(seven()), 0.8)[0], like(tensor, framed(seven()), 0.8)
+
+
+def test_large_images_are_decoded_within_bounds():
+    for size, mode, fmt in ((4096, 'RGBA', 'PNG'), (8000, 'RGB', 'JPEG'), (3000, 'P', 'GIF')):
+        image = Image.new(mode, (size, size // 2), 'white')
+        ImageDraw.Draw(image).ellipse((size // 3, size // 8, size * 2 // 3, size * 3 // 8), outline='black',
+                                      width=size // 30)
+        decoded = framing.decode(encode(image, fmt))
+        assert decoded.mode in ('L', 'LA', 'RGB', 'RGBA')
+        if fmt == 'JPEG':  # decoded at reduced scale, still at least JPEG_SIDE a side
+            assert framing.JPEG_SIDE <= max(decoded.size) < 2 * framing.JPEG_SIDE, decoded.size
+        side, _ = geometry(framing.to_tensor(encode(image, fmt))[0, 0])
+        assert 19 <= side <= 21, (fmt, side)
+    with pytest.raises(framing.TooLarge, match='at most 16777216 are served'):
+        framing.decode(encode(Image.new('L', (40_000_000, 1))))  # 40 megapixels in a few KB
+
+
+def test_noise_costs_no_more_than_a_digit():
+    noise = Image.fromarray(np.random.default_rng(1).integers(0, 256, (1024, 1024), dtype=np.uint8))
+    assert framing.to_mnist(encode(noise)).size == (28, 28)  # read as some digit, from a bounded crop
+
+
+@pytest.mark.parametrize('data, error, message', [
+    (b'this is not an image', framing.NotAnImage, 'not an image Pillow can read'),
+    (encode(Image.fromarray(np.random.default_rng(0).integers(0, 256, (28, 28), dtype=np.uint8)))[:300],
+     framing.Damaged, 'the image cannot be decoded'),
+    (encode(Image.new('L', (28, 28), 0)), framing.NoDigit, 'the image has no digit: it is blank'),
+    (encode(Image.new('RGB', (3000, 2000), (200, 190, 180))), framing.NoDigit, 'the image has no digit'),
+    (encode(Image.new('RGBA', (64, 64), (0, 0, 0, 0))), framing.NoDigit, 'the image has no digit'),
+], ids=['text', 'truncated', 'black', 'one colour', 'transparent'])
+def test_each_problem_has_its_exception(data, error, message):
+    with pytest.raises(error, match=message):
+        framing.to_mnist(data)
+    assert issubclass(error, ValueError)

@@ -28,7 +28,7 @@ transform = transforms.Compose([
     transforms.Normalize((0.5,), (0.5,))
 ])
 MAX_PIXELS = 4096 * 4096  # decoded at full size; a JPEG may have 16 times as many: it is decoded at 1/2-1/8 scale
-JPEG_SIDE = 1024  # a large JPEG is decoded at reduced scale, still at least this many pixels a side
+JPEG_SIDE = 1024  # a large JPEG is decoded at reduced scale, any large picture averaged, to at least this a side
 WORK_SIDE = 320  # larger pictures are read from a reduced copy and a reduced crop around the digit
 Image.MAX_IMAGE_PIXELS = 16 * MAX_PIXELS  # Pillow's own decompression-bomb check, past our limits
 MNIST_BOX, MNIST_STROKE = 20, 2.9  # MNIST fitted its digits into 20x20; its strokes' median width
@@ -104,7 +104,8 @@ def to_mnist(picture):
         if high - low < 32:
             raise NoDigit
         return image
-    grey = ink_layer(image)
+    factor = max(image.size) // JPEG_SIDE  # a picture of 2048 or more pixels a side: averaged to 1024-2047 first
+    grey = ink_layer(image.reduce(factor) if factor > 1 else image)
     if max(grey.size) > WORK_SIDE:
         grey = around_the_digit(grey)
     return frame(*ink_of(pixels(grey)))

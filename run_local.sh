@@ -11,8 +11,8 @@
 #   ./run_local.sh bench [FLAGS]       document pipeline vs ours (tests/benchmark.py --help)
 #   ./run_local.sh gpu-check [FLAGS]   2 epochs of each script on CUDA, with NCCL over every GPU
 #   ./run_local.sh serve [FLAGS]       serve.py with ./output/single/best_model.pth on port 8000
-#   ./run_local.sh bench-serve [FLAGS] serve.py's latency, requests/s and memory, beside the http.server
-#                                      version it replaced (tests/bench_serve.py --help)
+#   ./run_local.sh bench-serve [FLAGS] serve.py's latency, requests/s, memory and slow pictures, beside
+#                                      the single-process serve.py it replaced (tests/bench_serve.py --help)
 #   ./run_local.sh bench-digits FLAGS  serve.py's accuracy on real MNIST digits drawn and photographed
 #                                      (tests/bench_digits.py --help; needs --model and --data-dir)
 #   ./run_local.sh mutants             mutation testing of common.py with its unit tests (mutmut)
@@ -88,9 +88,9 @@ bench-digits)
 bench-serve)
     shift
     venv .venv -r requirements.txt -r requirements-serve.txt
-    # Side by side with the last serve.py built on the standard library's http.server, where git has it.
+    # Side by side with the serve.py before framing.py and its worker processes, where git has it.
     baseline=()
-    if git rev-parse --quiet --verify baa33a9^{commit} > /dev/null 2>&1; then baseline=(--baseline baa33a9); fi
+    if git rev-parse --quiet --verify 390c706^{commit} > /dev/null 2>&1; then baseline=(--baseline 390c706); fi
     exec "$PY" tests/bench_serve.py ${baseline[@]+"${baseline[@]}"} "$@"
     ;;
 gpu-check)

@@ -64,6 +64,7 @@ BODY_BUDGET = 8 * MAX_BODY_BYTES  # bytes of request bodies a worker process hol
 FORMS = ('send the image file as the body (curl --data-binary @digit.png), as a form upload (curl -F '
          'file=@digit.png), or as JSON {"image": "<base64 or data: URL>"}')
 ROUTES = {'/': ('GET', 'HEAD'), '/predict': ('POST',), '/health': ('GET', 'HEAD')}
+CGROUP = '/sys/fs/cgroup'  # a Linux container's own CPU limits, where it has them
 PAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'page', 'index.html')  # GET /: try the model
 
 
@@ -74,17 +75,17 @@ def usable_cpus():
     return max(1, min(count, math.ceil(quota)) if quota else count)
 
 
-def cgroup_cpu_quota(root='/sys/fs/cgroup'):
+def cgroup_cpu_quota():
     """CPUs' worth of time a Linux container may use (Docker --cpus, Kubernetes limits), or None: cgroup v2, then v1."""
     try:
-        with open(os.path.join(root, 'cpu.max')) as f:
+        with open(os.path.join(CGROUP, 'cpu.max')) as f:
             quota, period = f.read().split()[:2]
         return None if quota == 'max' else int(quota) / int(period)
     except (OSError, ValueError):
         pass
     try:
-        with open(os.path.join(root, 'cpu', 'cpu.cfs_quota_us')) as q, \
-                open(os.path.join(root, 'cpu', 'cpu.cfs_period_us')) as p:
+        with open(os.path.join(CGROUP, 'cpu', 'cpu.cfs_quota_us')) as q, \
+                open(os.path.join(CGROUP, 'cpu', 'cpu.cfs_period_us')) as p:
             quota, period = int(q.read()), int(p.read())
         return quota / period if quota > 0 and period > 0 else None
     except (OSError, ValueError):
@@ -307,7 +308,8 @@ class App:
             raise Refused(503, f'{MAX_WAITING} requests are waiting already; try again shortly', **{'retry-after': '1'})
         self.waiting += 1
         dropped = threading.Event()
-        work = asyncio.get_running_loop().run_in_executor(self.pool, answer, self.model, body, content_type, dropped)
+        job = self.pool.submit(answer, self.model, body, content_type, dropped)
+        work = asyncio.wrap_future(job)
         gone = asyncio.ensure_future(receive())  # http.disconnect, once the client closes its connection
         try:
             done, _ = await asyncio.wait({work, gone}, timeout=self.args.deadline,
@@ -315,10 +317,11 @@ class App:
             if work in done:
                 return work.result()
             dropped.set()
+            queued = job.cancel()  # a job not begun is never run; one begun stops at its next image
             if gone in done:
                 raise ConnectionResetError
-            raise Refused(503 if work.cancel() else 504, f'the image(s) were not read within {self.args.deadline:g}s; '
-                                                         f'try again, or send smaller images', **{'retry-after': '1'})
+            raise Refused(503 if queued else 504, f'the image(s) were not read within {self.args.deadline:g}s; '
+                                                  f'try again, or send smaller images', **{'retry-after': '1'})
         finally:
             gone.cancel()
             self.waiting -= 1

@@ -3,14 +3,17 @@
     python tests/bench_serve.py [--model best_model.pth] [--data-dir DIR] [--baseline REV]
     (or: ./run_local.sh bench-serve, which compares with the http.server version of serve.py)
 
-Starts serve.py on a free port, then sends MNIST test images (the real ones from --data-dir, else
-made-up digits) as 28x28 PNGs: one client, one request after another on a kept-alive connection
-(latency p50 and p99); --clients clients at once (requests per second); 8 clients that open a new
-connection for every request (how many took 1 s or more); and 8 clients at once sending the largest
-images the limits accept (peak memory of the whole service, its processes' PSS: shared pages counted
-once; and the most CPU one such image cost). With --baseline REV, the serve.py of that git revision
-is measured too, each part alternating between the two. Any model serves at the same speed: without
---model, a freshly initialised one. Not part of the test suite.
+Starts serve.py on a free port (its default settings: one worker process per usable CPU), then:
+its idle memory (the PSS of all its processes: shared pages counted once); MNIST test images (the
+real ones from --data-dir, else made-up digits) sent as 28x28 PNGs by one client, one request after
+another on a kept-alive connection (latency p50 and p99); by --clients clients at once (requests per
+second); by 16 clients that open a new connection for every request (requests per second, and how
+many took 1 s or more); the slow kinds of pictures, one at a time (time and server CPU per image: a
+thin pen on 1024x1024 and 2000x2000 canvases, a 12-megapixel phone photo, 1024x1024 noise); and 8
+clients at once sending the largest images the limits accept (peak memory; the CPU one such image
+cost). With --baseline REV, the serve.py of that git revision is measured too, each part alternating
+between the two. Any model serves at the same speed: without --model, a freshly initialised one.
+Not part of the test suite.
 """
 import argparse
 import http.client
@@ -60,6 +63,29 @@ def largest_images():
     return out
 
 
+def slow_kinds():
+    """{kind: image bytes}: the pictures whose reading cost grew with their size before framing.py."""
+    def seven(side, width):
+        image = Image.new('L', (side, side), 255)
+        ImageDraw.Draw(image).line((side * 0.3, side * 0.2, side * 0.7, side * 0.2, side * 0.45, side * 0.85), 0, width,
+                                   joint='curve')
+        return image
+    rng = np.random.default_rng(0)
+    photo = Image.new('L', (4000, 3000), 200)
+    ImageDraw.Draw(photo).line((1700, 1000, 2300, 1000, 1950, 2000), 40, 25, joint='curve')
+    photo = Image.fromarray(np.clip(np.asarray(photo, np.float32) + rng.normal(0, 6, (3000, 4000)), 0, 255)
+                            .astype(np.uint8)).convert('RGB')
+    noise = Image.fromarray(rng.integers(0, 256, (1024, 1024), dtype=np.uint8))
+    kinds = {'thin pen, 1024x1024 PNG': (seven(1024, 3), 'PNG'), 'thin pen, 2000x2000 PNG': (seven(2000, 3), 'PNG'),
+             'phone photo, 4000x3000 JPEG': (photo, 'JPEG'), 'noise, 1024x1024 PNG': (noise, 'PNG')}
+    out = {}
+    for name, (image, fmt) in kinds.items():
+        buffer = io.BytesIO()
+        image.save(buffer, fmt, **({'quality': 85} if fmt == 'JPEG' else {}))
+        out[name] = buffer.getvalue()
+    return out
+
+
 def post(connection, body):
     start = time.perf_counter()
     connection.request('POST', '/predict', body=body, headers={'Content-Type': 'image/png'})
@@ -81,7 +107,7 @@ def in_threads(count, target):
 def tree_pss(pid):
     """Proportional set size of a process and its children, in bytes (shared pages split between them)."""
     total = 0
-    for p in [pid] + [int(c) for c in open(f'/proc/{pid}/task/{pid}/children').read().split()]:
+    for p in [pid] + [int(c) for c in open(f'/proc/{pid}/task/{pid}/children').read().split()]:  # workers
         try:
             for line in open(f'/proc/{p}/smaps_rollup'):
                 if line.startswith('Pss:'):
@@ -96,12 +122,25 @@ def cpu_seconds(pid):
     return (int(fields[11]) + int(fields[12])) / os.sysconf('SC_CLK_TCK')
 
 
+def tree_cpu_seconds(pid):
+    """CPU seconds of a process and its running children (the worker processes)."""
+    total = cpu_seconds(pid)
+    for child in open(f'/proc/{pid}/task/{pid}/children').read().split():
+        try:
+            total += cpu_seconds(int(child))
+        except FileNotFoundError:
+            pass
+    return total
+
+
 def baseline_serve(rev):
     """The path of serve.py as it was at git revision rev, with that revision's common.py beside it."""
     folder = tempfile.mkdtemp()
-    for name in ('serve.py', 'common.py'):
-        with open(os.path.join(folder, name), 'wb') as f:
-            f.write(subprocess.run(['git', 'show', f'{rev}:{name}'], cwd=ROOT, check=True, capture_output=True).stdout)
+    for name in ('serve.py', 'common.py', 'framing.py'):
+        source = subprocess.run(['git', 'show', f'{rev}:{name}'], cwd=ROOT, capture_output=True)
+        if source.returncode == 0:  # framing.py only where the revision has it
+            with open(os.path.join(folder, name), 'wb') as f:
+                f.write(source.stdout)
     return os.path.join(folder, 'serve.py')
 
 
@@ -122,9 +161,11 @@ class Server:
         self.proc.wait()
 
 
-def measure(server, bodies, big, args):
+def measure(server, bodies, big, kinds, args):
     """The figures of one round against one server."""
     port, figures = server.port, {}
+    time.sleep(3)  # every worker process started
+    figures['idle'] = tree_pss(server.proc.pid)
     connection = http.client.HTTPConnection('127.0.0.1', port)
     for body in bodies:  # warm-up
         post(connection, body)
@@ -142,19 +183,24 @@ def measure(server, bodies, big, args):
     slow = []
 
     def new_connections(k):
-        for i in range(args.requests // 8):
+        for i in range(args.requests // 16):
             own = http.client.HTTPConnection('127.0.0.1', port, timeout=30)
             elapsed, status = post(own, bodies[i % len(bodies)])
             own.close()
             slow.append(elapsed >= 1 or status != 200)
-    in_threads(8, new_connections)
+    figures['new_rate'] = args.requests // 16 * 16 / in_threads(16, new_connections)
     figures['slow'] = sum(slow)
 
-    before, peak, statuses = cpu_seconds(server.proc.pid), [tree_pss(server.proc.pid)], []
+    figures['kinds'] = {}
+    for name, body in kinds.items():  # one at a time: wall time and the server's CPU per image
+        start, cpu = time.perf_counter(), tree_cpu_seconds(server.proc.pid)
+        status = post(http.client.HTTPConnection('127.0.0.1', port, timeout=300), body)[1]
+        figures['kinds'][name] = (time.perf_counter() - start, tree_cpu_seconds(server.proc.pid) - cpu, status)
+    before, peak, statuses = tree_cpu_seconds(server.proc.pid), [tree_pss(server.proc.pid)], []
     for body in big:  # one at a time first: the CPU one image costs
-        start = cpu_seconds(server.proc.pid)
+        start = tree_cpu_seconds(server.proc.pid)
         statuses.append(post(http.client.HTTPConnection('127.0.0.1', port, timeout=120), body)[1])
-        figures[f'cpu{len(statuses)}'] = cpu_seconds(server.proc.pid) - start
+        figures[f'cpu{len(statuses)}'] = tree_cpu_seconds(server.proc.pid) - start
     done = threading.Event()
 
     def sample():
@@ -170,7 +216,7 @@ def measure(server, bodies, big, args):
     done.set()
     sampler.join()
     figures['pss'], figures['big_statuses'] = max(peak), sorted(set(statuses))
-    figures['big_cpu'] = cpu_seconds(server.proc.pid) - before
+    figures['big_cpu'] = tree_cpu_seconds(server.proc.pid) - before
     return figures
 
 
@@ -191,23 +237,26 @@ def main():
     scripts = {'serve.py': os.path.join(ROOT, 'serve.py')}
     if args.baseline:
         scripts[f'serve.py at {args.baseline}'] = baseline_serve(args.baseline)
-    bodies, big = pngs(args.data_dir, 100), largest_images()
+    bodies, big, kinds = pngs(args.data_dir, 100), largest_images(), slow_kinds()
     print(f'{os.cpu_count()} CPU cores, torch {torch.__version__}, {len(bodies[0])}-byte 28x28 PNGs; largest images: '
           f'{len(big[0]) // 1000} KB 4096x4096 RGBA PNG, {len(big[1]) // 1000} KB 16384x16384 JPEG', flush=True)
     for round in range(args.rounds):
         for name, script in scripts.items():
             server = Server(script, model_path)
             try:
-                f = measure(server, bodies, big, args)
+                f = measure(server, bodies, big, kinds, args)
             finally:
                 server.close()
             print(f'round {round + 1}, {name}:\n'
+                  f'  idle:        {f["idle"] / 2**20:.0f} MiB (PSS)\n'
                   f'  one client:  {args.requests} requests, latency p50 {f["p50"] * 1000:.2f} ms, p99 '
                   f'{f["p99"] * 1000:.2f} ms\n'
                   f'  {args.clients} clients:   {args.requests // args.clients * args.clients} requests, '
                   f'{f["rate"]:.0f} requests/s\n'
-                  f'  8 clients, a new connection each request: {args.requests // 8 * 8} requests, {f["slow"]} took 1 s '
-                  f'or more (or failed)\n'
+                  f'  16 clients, a new connection each request: {args.requests // 16 * 16} requests, '
+                  f'{f["new_rate"]:.0f} requests/s, {f["slow"]} took 1 s or more (or failed)\n' +
+                  ''.join(f'  {kind}: {wall:.3f} s, CPU {cpu:.2f} s, HTTP {status}\n'
+                          for kind, (wall, cpu, status) in f['kinds'].items()) +
                   f'  8 clients sending the largest images: peak memory {f["pss"] / 2**20:.0f} MiB (PSS), CPU '
                   f'{f["cpu1"]:.2f} s (PNG) and {f["cpu2"]:.2f} s (JPEG) alone, HTTP {f["big_statuses"]}', flush=True)
     if args.baseline:

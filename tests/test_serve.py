@@ -187,3 +187,33 @@ def test_an_image_without_a_digit_gets_422(server, image):
     image.save(buffer, 'PNG')
     status, body = request(url + '/predict', buffer.getvalue())
     assert status == 422 and body['error'].startswith('the image has no digit: it is blank or all of one colour')
+
+
+@pytest.mark.parametrize('files, affinity, expected', [
+    ({}, 8, 8),  # no cgroup files: the affinity
+    ({'cpu.max': 'max 100000\n'}, 8, 8),  # cgroup v2, no quota
+    ({'cpu.max': '200000 100000\n'}, 64, 2),  # docker --cpus 2 on a 64-core host
+    ({'cpu.max': '150000 100000\n'}, 64, 2),  # 1.5 CPUs: rounded up
+    ({'cpu.max': '50000 100000\n'}, 64, 1),
+    ({'cpu.max': '400000 100000\n'}, 3, 3),  # taskset to 3 cores: fewer than the quota
+    ({'cpu/cpu.cfs_quota_us': '300000\n', 'cpu/cpu.cfs_period_us': '100000\n'}, 64, 3),  # cgroup v1
+    ({'cpu/cpu.cfs_quota_us': '-1\n', 'cpu/cpu.cfs_period_us': '100000\n'}, 64, 64),  # v1, no quota
+    ({'cpu.max': 'garbage'}, 4, 4),
+], ids=['none', 'v2-max', 'v2-2', 'v2-1.5', 'v2-0.5', 'affinity', 'v1-3', 'v1-none', 'garbage'])
+def test_the_default_workers_follow_the_cpus_the_process_may_use(files, affinity, expected, tmp_path, monkeypatch):
+    import serve
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    monkeypatch.setattr(serve, 'CGROUP', str(tmp_path))
+    monkeypatch.setattr(serve.os, 'sched_getaffinity', lambda pid: set(range(affinity)), raising=False)
+    assert serve.usable_cpus() == expected
+
+
+@pytest.mark.parametrize('platform_cpus', [4, None])
+def test_without_cpu_affinity_as_on_macos_and_windows_the_cpu_count_is_used(platform_cpus, monkeypatch):
+    import serve
+    monkeypatch.delattr(serve.os, 'sched_getaffinity', raising=False)
+    monkeypatch.setattr(serve.os, 'cpu_count', lambda: platform_cpus)
+    monkeypatch.setattr(serve, 'cgroup_cpu_quota', lambda: None)
+    assert serve.usable_cpus() == (platform_cpus or 1)

@@ -244,38 +244,126 @@ def test_connections_cost_no_threads_and_bursts_are_not_dropped(server):
         assert int(listening.split()[2]) >= 128, listening
 
 
+def tree_pss(pid):
+    """PSS of a process and its children, in bytes: shared pages split between them."""
+    total = 0
+    for p in [pid] + [int(c) for c in open(f'/proc/{pid}/task/{pid}/children').read().split()]:
+        try:
+            total += sum(int(line.split()[1]) for line in open(f'/proc/{p}/smaps_rollup') if line.startswith('Pss:'))
+        except FileNotFoundError:
+            pass
+    return total * 1024
+
+
+class Peak:
+    """The peak PSS of a server's processes, sampled every 20 ms on a thread while in a with block."""
+
+    def __init__(self, pid):
+        self.pid, self.samples, self.done = pid, [tree_pss(pid)], threading.Event()
+
+    def __enter__(self):
+        self.thread = threading.Thread(target=self.sample)
+        self.thread.start()
+        return self
+
+    def sample(self):
+        while not self.done.is_set():
+            self.samples.append(tree_pss(self.pid))
+            time.sleep(0.02)
+
+    def __exit__(self, *exc):
+        self.done.set()
+        self.thread.join()
+        self.peak = max(self.samples)
+
+
 def test_eight_largest_images_at_once_stay_under_the_memory_bound(model_file):
     proc, reader, port = serve(model_file)
     image = Image.new('RGBA', (4096, 4096), 'white')
     ImageDraw.Draw(image).ellipse((1300, 1000, 2800, 3000), outline='black', width=160)
     buffer = io.BytesIO()
     image.save(buffer, 'PNG')
-    peak, done = [], threading.Event()
-
-    def sample():
-        while not done.is_set():
-            peak.append(sum(int(line.split()[1]) for line in open(f'/proc/{proc.pid}/smaps_rollup')
-                            if line.startswith('Pss:')) * 1024)
-            time.sleep(0.02)
-    sampler = threading.Thread(target=sample)
-    sampler.start()
     results = []
     clients = [threading.Thread(target=lambda: results.append(post(port, buffer.getvalue())[0])) for _ in range(8)]
-    for client in clients:
-        client.start()
-    for client in clients:
-        client.join()
-    done.set()
-    sampler.join()
+    with Peak(proc.pid) as memory:
+        for client in clients:
+            client.start()
+        for client in clients:
+            client.join()
     proc.terminate()
     proc.wait(timeout=30)
     assert results == [200] * 8
-    assert max(peak) < 1.5 * 2**30, f'peak PSS {max(peak) / 2**20:.0f} MiB'
+    assert memory.peak < 1.5 * 2**30, f'peak PSS {memory.peak / 2**20:.0f} MiB'
+
+
+def test_200_clients_sending_10_mb_each_stay_under_the_memory_bound(model_file):
+    """Bodies wait for room in each worker's budget of body bytes, unread (uvicorn stops reading them)."""
+    proc, reader, port = serve(model_file, '--workers', '2')
+    body = png(7) + bytes(10 * 2**20 - len(png(7)))  # a PNG, then padding to 10 MB: Pillow reads the PNG
+    statuses = []
+
+    def client():
+        connection = http.client.HTTPConnection('127.0.0.1', port, timeout=120)
+        connection.request('POST', '/predict', body=body)
+        statuses.append(connection.getresponse().status)
+    clients = [threading.Thread(target=client) for _ in range(200)]
+    with Peak(proc.pid) as memory:
+        for c in clients:
+            c.start()
+        for c in clients:
+            c.join()
+    proc.terminate()
+    proc.wait(timeout=30)
+    assert len(statuses) == 200 and set(statuses) <= {200, 503}, sorted(set(statuses))
+    assert statuses.count(200) >= 100, statuses.count(200)
+    assert memory.peak < 1.5 * 2**30, f'peak PSS {memory.peak / 2**20:.0f} MiB'
+
+
+def largest_png():
+    image = Image.new('RGBA', (4096, 4096), 'white')
+    ImageDraw.Draw(image).ellipse((1300, 1000, 2800, 3000), outline='black', width=160)
+    buffer = io.BytesIO()
+    image.save(buffer, 'PNG')
+    return buffer.getvalue()
+
+
+def test_past_the_deadline_a_request_gets_503_or_504_and_its_work_is_dropped(model_file):
+    proc, reader, port = serve(model_file, '--workers', '1', '--deadline', '0.05')
+    big, statuses = largest_png(), []
+    clients = [threading.Thread(target=lambda: statuses.append(post(port, big))) for _ in range(4)]
+    for c in clients:
+        c.start()
+    for c in clients:
+        c.join()
+    assert sorted(status for status, _ in statuses) in ([503, 503, 503, 504], [503, 503, 504, 504]), statuses
+    assert all(reply['error'].startswith('the image(s) were not read within 0.05s') for _, reply in statuses)
+    for _ in range(50):  # the server goes on serving, once the image begun is read (a 0.05 s deadline is short)
+        if post(port, png(1))[0] == 200:
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError('no 200 within 5 s of the 503s')
+    proc.terminate()
+    proc.wait(timeout=30)
+    assert len(re.findall(r'POST /predict 504 ', reader.rest())) >= 1
+
+
+def test_a_client_that_goes_away_costs_no_more_work(model_file):
+    proc, reader, port = serve(model_file, '--workers', '1')
+    big = largest_png()
+    for _ in range(3):  # each sent whole, then the client closes without waiting for its answer
+        with socket.create_connection(('127.0.0.1', port), timeout=30) as s:
+            s.sendall(b'POST /predict HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n' % len(big) + big)
+    line = reader.wait_for(lambda line: line.startswith('POST /predict'))
+    assert post(port, png(1))[0] == 200
+    proc.terminate()
+    lines = [line] + [line for line in reader.rest().splitlines() if line.startswith('POST /predict')]
+    assert sum(line.startswith('POST /predict 499 ') for line in lines) >= 2, lines  # dropped, not answered
 
 
 @pytest.mark.parametrize('sig, name', [(signal.SIGTERM, 'SIGTERM'), (signal.SIGINT, 'SIGINT')])
 def test_a_stop_answers_the_requests_in_progress_then_exits_0(model_file, sig, name):
-    proc, reader, port = serve(model_file)
+    proc, reader, port = serve(model_file, '--workers', '2')
     image = png(3)
     with socket.create_connection(('127.0.0.1', port), timeout=30) as s, \
             socket.create_connection(('127.0.0.1', port), timeout=30) as idle:

@@ -221,7 +221,7 @@ class App:
     def __init__(self, model, args, in_progress):
         self.model, self.args, self.in_progress = model, args, in_progress  # in_progress: a shared counter
         self.pool = concurrent.futures.ThreadPoolExecutor(args.threads, thread_name_prefix='predict')
-        self.waiting, self.budget, self.room = 0, BODY_BUDGET, asyncio.Condition()
+        self.waiting, self.budget, self.queued, self.room = 0, BODY_BUDGET, 0, asyncio.Condition()
 
     async def __call__(self, scope, receive, send):
         if scope['type'] != 'http':
@@ -287,65 +287,76 @@ class App:
     @contextlib.asynccontextmanager
     async def body_room(self, size, deadline):
         """Hold size bytes of the body budget while a body is read and answered; wait for them until the deadline."""
-        async with self.room:
+        if self.budget < size:
+            self.queued += 1
             try:
-                await asyncio.wait_for(self.room.wait_for(lambda: self.budget >= size),
-                                       deadline - asyncio.get_running_loop().time())
+                async with self.room:
+                    await asyncio.wait_for(self.room.wait_for(lambda: self.budget >= size),
+                                           deadline - asyncio.get_running_loop().time())
             except asyncio.TimeoutError:
                 raise Refused(503, 'the server is busy reading other requests; try again shortly',
                               connection='close', **{'retry-after': '1'}) from None
-            self.budget -= size
+            finally:
+                self.queued -= 1
+        self.budget -= size
         try:
             yield
         finally:
-            async with self.room:
-                self.budget += size
-                self.room.notify_all()
+            self.budget += size
+            if self.queued:
+                async with self.room:
+                    self.room.notify_all()
 
     async def run(self, body, content_type, receive):
         """The reply, from a prediction thread, dropped when the client goes or the deadline passes."""
         if self.waiting >= MAX_WAITING:
             raise Refused(503, f'{MAX_WAITING} requests are waiting already; try again shortly', **{'retry-after': '1'})
-        self.waiting += 1
         dropped = threading.Event()
         job = self.pool.submit(answer, self.model, body, content_type, dropped)
-        work = asyncio.wrap_future(job)
-        gone = asyncio.ensure_future(receive())  # http.disconnect, once the client closes its connection
-        try:
-            done, _ = await asyncio.wait({work, gone}, timeout=self.args.deadline,
-                                         return_when=asyncio.FIRST_COMPLETED)
-            if work in done:
-                return work.result()
-            dropped.set()
-            queued = job.cancel()  # a job not begun is never run; one begun stops at its next image
-            if gone in done:
-                raise ConnectionResetError
-            raise Refused(503 if queued else 504, f'the image(s) were not read within {self.args.deadline:g}s; '
-                                                  f'try again, or send smaller images', **{'retry-after': '1'})
+        work, gone, quick = asyncio.wrap_future(job), None, min(0.05, self.args.deadline)
+        self.waiting += 1
+        try:  # most answers come within 50 ms; one still at work then also watches for its client leaving
+            done, _ = await asyncio.wait({work}, timeout=quick)
+            if not done:
+                gone = asyncio.ensure_future(receive())  # http.disconnect, once the client closes its connection
+                done, _ = await asyncio.wait({work, gone}, timeout=self.args.deadline - quick,
+                                             return_when=asyncio.FIRST_COMPLETED)
+                gone.cancel()
         finally:
-            gone.cancel()
             self.waiting -= 1
+        if work in done:
+            return work.result()
+        dropped.set()
+        queued = job.cancel()  # a job not begun is never run; one begun stops at its next image
+        if gone in done:
+            raise ConnectionResetError
+        raise Refused(503 if queued else 504, f'the image(s) were not read within {self.args.deadline:g}s; try '
+                                              f'again, or send smaller images', **{'retry-after': '1'})
 
 
 async def read_body(receive, deadline, timeout):
     """The whole request body (sent with a Content-Length or chunked), at most MAX_BODY_BYTES, by the deadline."""
     chunks, size = [], 0
     loop = asyncio.get_running_loop()
-    while True:
-        try:
-            message = await asyncio.wait_for(receive(), deadline - loop.time())
-        except asyncio.TimeoutError:
-            raise Refused(408, f'the request did not arrive whole within {timeout:g}s', connection='close') from None
-        if message['type'] == 'http.disconnect':
-            raise ConnectionResetError
-        chunks.append(message.get('body', b''))
-        size += len(chunks[-1])
-        if size > MAX_BODY_BYTES:
-            raise Refused(413, f'the body is over {MAX_BODY_BYTES} bytes; at most that many are served',
-                          connection='close')
-        if not message.get('more_body'):
-            return b''.join(chunks)
-
+    timer = loop.call_at(deadline, asyncio.current_task().cancel)  # one timer for the whole body
+    try:
+        while True:
+            message = await receive()
+            if message['type'] == 'http.disconnect':
+                raise ConnectionResetError
+            chunks.append(message.get('body', b''))
+            size += len(chunks[-1])
+            if size > MAX_BODY_BYTES:
+                raise Refused(413, f'the body is over {MAX_BODY_BYTES} bytes; at most that many are served',
+                              connection='close')
+            if not message.get('more_body'):
+                return b''.join(chunks)
+    except asyncio.CancelledError:
+        if loop.time() < deadline:  # cancelled for another reason
+            raise
+        raise Refused(408, f'the request did not arrive whole within {timeout:g}s', connection='close') from None
+    finally:
+        timer.cancel()
 
 def listen(host, port):
     """A socket listening on host:port (IPv4 or IPv6), or SetupError in one line."""

@@ -6,20 +6,12 @@ On your own machine (after ./run_local.sh; or ./run_local.sh serve):
   python serve.py --model ./output/single/best_model.pth
   python serve.py --model ./output/single/best_model.pth --predict digit.png ...   (no server)
 
-POST /predict answers {"digit": d, "probabilities": [p0, ..., p9]} for one image (PNG, JPEG, ...: any
-size, colour or grey; framing.py reads it as MNIST framed its digits), sent in any of these forms:
-  the file as the body               curl --data-binary @digit.png http://127.0.0.1:8000/predict
-  a form upload, any field name      curl -F file=@digit.png http://127.0.0.1:8000/predict
-  JSON: base64, or a data: URL       curl -d '{"image": "iVBORw0KGgo..."}' http://127.0.0.1:8000/predict
-Several images (several files in one form, or {"images": [...]}) answer {"predictions": [{"digit": d,
-"probabilities": [...]}, ...]}, from one forward pass. GET /health answers {"status": "ok", "model": path}.
-Replies are JSON, errors too ({"error": "..."} with the HTTP status), but for the page at GET / and the
-400 uvicorn itself gives a request it cannot parse.
-
-Limits: 10 MB a request, 16 images, 4096x4096 pixels an image (a JPEG may be larger: it is decoded at
-reduced size); the body within --timeout seconds of the request, the answer within --deadline seconds
-of the body. On SIGTERM (how EAS stops and rolls a service) or Ctrl-C it stops accepting, answers the
-requests it has, and exits 0. uvicorn serves; it has no authentication: on EAS, the gateway checks the token.
+POST /predict answers {"digit": d, "probabilities": [p0, ..., p9]} for an image of any size (framing.py
+reads it as MNIST framed its digits), sent as the body (curl --data-binary @digit.png URL/predict), as a
+form upload (curl -F file=@digit.png ...) or as JSON {"image": "<base64 or data: URL>"}; several
+images in a form or as {"images": [...]} answer {"predictions": [...]}. GET /health, and GET / a page.
+Errors are JSON: {"error": "..."} with the HTTP status. uvicorn serves, on --workers processes; it has
+no authentication: on EAS, the gateway checks the token. Limits and replies: docs/serving.md.
 """
 import argparse
 import asyncio
@@ -42,19 +34,17 @@ import time
 import traceback
 
 try:
+    import torch
+    import uvicorn
+
     import common
     import framing
-except ModuleNotFoundError as e:  # the script uploaded alone
-    if e.name not in ('common', 'framing'):
-        raise
-    sys.exit(f'error: {e.name}.py is missing: upload it beside {os.path.abspath(__file__)} (on DLC, to the same '
-             f'folder of the dataset as the script).')
-try:
-    import uvicorn
 except ModuleNotFoundError as e:
+    if e.name in ('common', 'framing'):  # the script uploaded alone
+        sys.exit(f'error: {e.name}.py is missing: upload it beside {os.path.abspath(__file__)} (on DLC, to the same '
+                 f'folder of the dataset as the script).')
     sys.exit(f'error: serve.py needs {e.name}: pip install -r {os.path.join(os.path.dirname(__file__), "requirements-serve.txt")}'
              f' (./run_local.sh serve installs it).')
-import torch
 
 MAX_BODY_BYTES = 10 * 1024 * 1024
 MAX_IMAGES = 16  # in one request
@@ -69,7 +59,10 @@ PAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'page', 'index.h
 
 
 def usable_cpus():
-    """The CPUs this process may use: its affinity (where the platform has one), and a container's CPU quota."""
+    """Worker processes by default: the CPUs this process may use, its affinity (where the platform has one) and a
+    container's CPU quota."""
+    if sys.platform == 'win32':  # no fork, and no SIGTERM to stop a worker gracefully: one process
+        return 1
     count = len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count() or 1
     quota = cgroup_cpu_quota()
     return max(1, min(count, math.ceil(quota)) if quota else count)
@@ -328,6 +321,7 @@ class App:
             return work.result()
         dropped.set()
         queued = job.cancel()  # a job not begun is never run; one begun stops at its next image
+        work.add_done_callback(lambda future: future.cancelled() or future.exception())  # its end goes unread
         if gone in done:
             raise ConnectionResetError
         raise Refused(503 if queued else 504, f'the image(s) were not read within {self.args.deadline:g}s; try '

@@ -206,14 +206,18 @@ def test_the_default_workers_follow_the_cpus_the_process_may_use(files, affinity
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(text)
     monkeypatch.setattr(serve, 'CGROUP', str(tmp_path))
+    monkeypatch.setattr(serve.sys, 'platform', 'linux')
     monkeypatch.setattr(serve.os, 'sched_getaffinity', lambda pid: set(range(affinity)), raising=False)
     assert serve.usable_cpus() == expected
 
 
 @pytest.mark.parametrize('platform_cpus', [4, None])
-def test_without_cpu_affinity_as_on_macos_and_windows_the_cpu_count_is_used(platform_cpus, monkeypatch):
+def test_without_cpu_affinity_as_on_macos_the_cpu_count_is_used_and_windows_has_one_worker(platform_cpus, monkeypatch):
     import serve
-    monkeypatch.delattr(serve.os, 'sched_getaffinity', raising=False)
+    monkeypatch.delattr(serve.os, 'sched_getaffinity', raising=False)  # as on macOS
     monkeypatch.setattr(serve.os, 'cpu_count', lambda: platform_cpus)
     monkeypatch.setattr(serve, 'cgroup_cpu_quota', lambda: None)
+    monkeypatch.setattr(serve.sys, 'platform', 'darwin')
     assert serve.usable_cpus() == (platform_cpus or 1)
+    monkeypatch.setattr(serve.sys, 'platform', 'win32')  # one process: no fork, no graceful stop of others
+    assert serve.usable_cpus() == 1

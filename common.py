@@ -270,6 +270,7 @@ class TensorLoader:
 CHECKPOINT_KEYS = {'model', 'optimizer', 'epochs_done', 'best_val_accuracy', 'best_epoch'}
 TRAINING_FLAGS = {'lr': '--lr', 'batch_size': '--batch-size', 'seed': '--seed'}  # they change the result
 _writing = set()  # the temporary files and folders being written now (saves, downloads): a stop removes them
+_epochs_saved = None  # epochs in this run's checkpoint, once resume() has set the run up (a stop's line says it)
 
 
 def save_atomic(obj, path):
@@ -331,7 +332,7 @@ def load_checkpoint(args):
         reason = f'{type(e).__name__}: {e}'.splitlines()[0][:300]
         raise SetupError(f'cannot resume from {checkpoint_path}: it is not a readable checkpoint of this '
                          f'model ({reason}). It was left as it is. To start fresh, pass --no-resume '
-                         f'(the file is then overwritten) or move it away.') from None
+                         f'(it is then kept as checkpoint.pth.previous) or move it away.') from None
     # Checkpoints from before the record was kept still hold the lr, in the optimizer's state.
     recorded = checkpoint.get('hyperparameters', {'lr': checkpoint['optimizer']['param_groups'][0]['lr']})
     changed = [f'{flag} {recorded[name]} (now {getattr(args, name)})' for name, flag in TRAINING_FLAGS.items()
@@ -340,7 +341,8 @@ def load_checkpoint(args):
         raise SetupError(f'{checkpoint_path} was trained with {", ".join(changed)}; resuming would mix the two '
                          f'settings in one run. To resume, pass the recorded values (a larger --epochs is '
                          f'fine). To train with the new ones, start a new run: add --no-resume (the earlier '
-                         f'best_model.pth is kept as best_model.pth.previous) or pass another --output-dir.')
+                         f'run is kept as best_model.pth.previous and checkpoint.pth.previous) or pass another '
+                         f'--output-dir.')
     return checkpoint
 
 
@@ -358,14 +360,21 @@ def training_complete(checkpoint, num_epochs, best_model_path, main_process=True
 def resume(checkpoint, model, optimizer, best_model_path, main_process=True):
     """Load the checkpoint into model and optimizer; return (start_epoch, best_val_accuracy, best_epoch).
 
-    Without a checkpoint the run starts at epoch 0, and an earlier run's best_model.pth is kept as
-    best_model.pth.previous rather than overwritten. main_process: this process prints and owns
-    the output folder (global rank 0).
+    Without a checkpoint the run starts at epoch 0, and an earlier run (--no-resume) is set aside whole:
+    its best_model.pth and checkpoint.pth are kept as *.previous, so the folder never holds a checkpoint
+    whose best model is not there. main_process: this process prints and owns the output folder
+    (global rank 0).
     """
+    global _epochs_saved
+    _epochs_saved = 0 if checkpoint is None else checkpoint['epochs_done']
     if checkpoint is None:
-        if main_process and os.path.exists(best_model_path):
-            os.replace(best_model_path, best_model_path + '.previous')
-            print(f'Starting afresh: the earlier best_model.pth is kept as {best_model_path}.previous')
+        folder = os.path.dirname(best_model_path)
+        earlier = [name for name in ('best_model.pth', 'checkpoint.pth') if os.path.exists(os.path.join(folder, name))]
+        if main_process and earlier:
+            for name in earlier:
+                os.replace(os.path.join(folder, name), os.path.join(folder, name + '.previous'))
+            print(f'Starting afresh: the earlier run is kept as {" and ".join(name + ".previous" for name in earlier)} '
+                  f'in {folder}')
         return 0, 0.0, None
     model.load_state_dict(checkpoint['model'])
     optimizer.load_state_dict(checkpoint['optimizer'])
@@ -382,6 +391,8 @@ def save_checkpoint(args, writer, model, optimizer, epochs_done, best_val_accura
                  'best_val_accuracy': best_val_accuracy, 'best_epoch': best_epoch,
                  'hyperparameters': {name: getattr(args, name) for name in TRAINING_FLAGS}},
                 os.path.join(args.output_dir, 'checkpoint.pth'))
+    global _epochs_saved
+    _epochs_saved = epochs_done
 
 
 def stop_on_signals(args, main_process=True):
@@ -396,11 +407,14 @@ def stop_on_signals(args, main_process=True):
             with contextlib.suppress(OSError):
                 shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
         if main_process:
-            try:
-                checkpoint_path = os.path.join(args.output_dir, 'checkpoint.pth')
-                epochs_done = torch.load(checkpoint_path, map_location='cpu', weights_only=True)['epochs_done']
-            except Exception:
-                epochs_done = 0
+            epochs_done = _epochs_saved
+            if epochs_done is None and not args.no_resume:  # stopped before resume(): what the rerun finds
+                try:
+                    checkpoint_path = os.path.join(args.output_dir, 'checkpoint.pth')
+                    epochs_done = torch.load(checkpoint_path, map_location='cpu', weights_only=True)['epochs_done']
+                except Exception:
+                    pass
+            epochs_done = epochs_done or 0
             how = 'the same command without --no-resume' if args.no_resume and epochs_done else 'the same command'
             name = 'Ctrl-C' if signum == signal.SIGINT else signal.Signals(signum).name
             sys.stdout.flush()

@@ -384,7 +384,7 @@ def refusal(tmp_path, content):
     assert path.read_bytes() == before, 'the file is left as it is'
     message = str(error.value)
     start = f'cannot resume from {path}: it is not a readable checkpoint of this model ('
-    end = ('). It was left as it is. To start fresh, pass --no-resume (the file is then overwritten) or move it away.')
+    end = ('). It was left as it is. To start fresh, pass --no-resume (it is then kept as checkpoint.pth.previous) or move it away.')
     assert message.startswith(start) and message.endswith(end), message
     return message[len(start):-len(end)]
 
@@ -417,8 +417,8 @@ def test_a_checkpoint_of_other_hyperparameters_is_refused(tmp_path):
     assert str(error.value) == (
         f'{tmp_path}/checkpoint.pth was trained with --lr 0.1 (now 0.01), --seed 3 (now 4); resuming would mix the two '
         f'settings in one run. To resume, pass the recorded values (a larger --epochs is fine). To train with the '
-        f'new ones, start a new run: add --no-resume (the earlier best_model.pth is kept as best_model.pth.previous) '
-        f'or pass another --output-dir.')
+        f'new ones, start a new run: add --no-resume (the earlier run is kept as best_model.pth.previous and '
+        f'checkpoint.pth.previous) or pass another --output-dir.')
 
 
 def test_an_older_checkpoint_has_its_lr_checked_from_the_optimizer(tmp_path):
@@ -469,7 +469,7 @@ def test_resume_loads_the_model_and_the_optimizer(capsys):
     assert capsys.readouterr().out == ''
 
 
-def test_a_fresh_start_keeps_the_earlier_best_model(tmp_path, capsys):
+def test_a_fresh_start_sets_the_earlier_run_aside_whole(tmp_path, capsys):
     best = tmp_path / 'best_model.pth'
     model = common.SimpleCNN()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -479,7 +479,15 @@ def test_a_fresh_start_keeps_the_earlier_best_model(tmp_path, capsys):
     assert os.listdir(tmp_path) == ['best_model.pth'] and capsys.readouterr().out == ''
     assert common.resume(None, model, optimizer, str(best)) == (0, 0.0, None)
     assert os.listdir(tmp_path) == ['best_model.pth.previous'] and (tmp_path / 'best_model.pth.previous').read_text() == 'earlier'
-    assert capsys.readouterr().out == f'Starting afresh: the earlier best_model.pth is kept as {best}.previous\n'
+    assert capsys.readouterr().out == f'Starting afresh: the earlier run is kept as best_model.pth.previous in {tmp_path}\n'
+    # With its checkpoint (--no-resume): both together, so the folder never claims a run whose model is gone.
+    best.write_text('second')
+    (tmp_path / 'checkpoint.pth').write_text('its checkpoint')
+    common.resume(None, model, optimizer, str(best))
+    assert sorted(os.listdir(tmp_path)) == ['best_model.pth.previous', 'checkpoint.pth.previous']
+    assert (tmp_path / 'checkpoint.pth.previous').read_text() == 'its checkpoint'
+    assert capsys.readouterr().out == (f'Starting afresh: the earlier run is kept as best_model.pth.previous and '
+                                       f'checkpoint.pth.previous in {tmp_path}\n')
 
 
 def test_save_checkpoint_flushes_the_logs_then_writes_everything_to_resume(tmp_path):
@@ -514,6 +522,7 @@ def stop(monkeypatch, capsys):
     class Exit(Exception):
         pass
     monkeypatch.setattr(common.os, '_exit', lambda code: (_ for _ in ()).throw(Exit(code)))
+    monkeypatch.setattr(common, '_epochs_saved', None)  # no run set up yet in this process
 
     def run(args, signum, main_process=True):
         common.stop_on_signals(args, *([] if main_process is None else [main_process]))  # None: its default
@@ -544,10 +553,20 @@ def test_a_stop_before_a_checkpoint_resumes_from_0(tmp_path, stop):
         143, 'Stopped by SIGTERM, after 0 finished epochs: the same command resumes from epoch 0.\n')
 
 
-def test_a_stop_of_a_no_resume_run_says_to_drop_the_flag(tmp_path, stop):
+def test_a_stop_of_a_no_resume_run_says_to_drop_the_flag(tmp_path, stop, monkeypatch):
     torch.save({'epochs_done': 1}, tmp_path / 'checkpoint.pth')
+    monkeypatch.setattr(common, '_epochs_saved', 1)  # as save_checkpoint leaves it after this run's first epoch
     assert stop(args_for(tmp_path, no_resume=True), signal.SIGTERM) == (
         143, 'Stopped by SIGTERM, after 1 finished epochs: the same command without --no-resume resumes from epoch 1.\n')
+
+
+def test_a_stop_of_a_no_resume_run_before_its_first_epoch_ignores_the_earlier_run(tmp_path, stop, monkeypatch):
+    torch.save({'epochs_done': 20}, tmp_path / 'checkpoint.pth')  # the earlier run's, not yet set aside
+    assert stop(args_for(tmp_path, no_resume=True), signal.SIGTERM) == (
+        143, 'Stopped by SIGTERM, after 0 finished epochs: the same command resumes from epoch 0.\n')
+    monkeypatch.setattr(common, '_epochs_saved', 0)  # set aside by resume(), no epoch finished since
+    assert stop(args_for(tmp_path, no_resume=True), signal.SIGTERM) == (
+        143, 'Stopped by SIGTERM, after 0 finished epochs: the same command resumes from epoch 0.\n')
 
 
 def test_a_stop_removes_what_is_being_written_and_only_rank_0_speaks(tmp_path, stop, monkeypatch):

@@ -134,6 +134,29 @@ def test_an_interrupt_ends_with_one_line_and_the_rerun_resumes(signum, code, nam
     assert stdout.startswith('Resuming from epoch 1 ') and re.findall(r'^Epoch (\d) done', stdout, re.M) == ['1', '2']
 
 
+@pytest.mark.parametrize('flags', [(), ('--lr', '0.05')], ids=['same flags', 'changed lr'])
+def test_a_no_resume_run_stopped_in_its_first_epoch_gives_advice_that_works(flags, mnist_dir, mnist_big_dir, tmp_path):
+    out = tmp_path / 'out'
+    run(train_cmd('--data-dir', mnist_dir, '--output-dir', out, '--epochs', '1', *FAST))  # an earlier run, finished
+    earlier = files(out)
+    args = ('--data-dir', mnist_big_dir, '--output-dir', out, '--epochs', '1', '--log-interval', '20', *flags)
+    proc, reader = start(train_cmd(*args, '--no-resume'))
+    reader.wait_for(lambda line: line.startswith('Train Epoch: 0 [1280/'))
+    proc.send_signal(signal.SIGTERM)
+    output = reader.rest(timeout=60)
+    assert f'Starting afresh: the earlier run is kept as best_model.pth.previous and checkpoint.pth.previous in ' \
+           f'{out}' in output
+    assert output.rstrip().endswith('Stopped by SIGTERM, after 0 finished epochs: the same command resumes from '
+                                    'epoch 0.'), output
+    assert files(out) == {'best_model.pth.previous': earlier['best_model.pth'],
+                          'checkpoint.pth.previous': earlier['checkpoint.pth']}, 'the earlier run set aside whole'
+    # The same command, or the same without --no-resume: a run from epoch 0 with these flags, not a refusal
+    # nor "Training already complete".
+    _, stdout, _ = run(train_cmd(*args))
+    assert 'Resuming' not in stdout and 'already complete' not in stdout
+    assert re.findall(r'^Epoch (\d) done', stdout, re.M) == ['0'] and (out / 'best_model.pth').exists()
+
+
 def test_sigterm_to_torchrun_stops_every_rank_and_the_rerun_resumes(mnist_big_dir, tmp_path):
     out = tmp_path / 'out'
     args = ('--data-dir', mnist_big_dir, '--output-dir', out, '--epochs', '3', '--log-interval', '20')

@@ -91,6 +91,6 @@ def test_no_resume_starts_over_and_keeps_the_earlier_best_model(mnist_dir, tmp_p
     earlier = (out / 'best_model.pth').read_bytes()
     _, stdout, _ = run(train_cmd('--data-dir', mnist_dir, '--output-dir', out, '--epochs', '1', '--no-resume', *FAST))
     assert 'Resuming' not in stdout and 'Epoch 0 done' in stdout
-    assert f'the earlier best_model.pth is kept as {out}/best_model.pth.previous' in stdout
+    assert f'the earlier run is kept as best_model.pth.previous and checkpoint.pth.previous in {out}' in stdout
     assert (out / 'best_model.pth.previous').read_bytes() == earlier
     assert (out / 'best_model.pth').exists()

@@ -12,8 +12,11 @@ single script), checkpoint.pth (the same command resumes from it) and TensorBoar
 runs/mnist_experiment. --epochs is a total: epochs done before a restart count.
 """
 import argparse
+import contextlib
+import json
 import os
 import re
+import signal
 import socket
 import sys
 import time
@@ -127,15 +130,22 @@ def join(rank, world_size, device, timeout):
     """Meet the other ranks at MASTER_ADDR:MASTER_PORT, saying so, and check one GPU per process; return the store."""
     address = f'{os.environ["MASTER_ADDR"]}:{os.environ["MASTER_PORT"]}'
     print(f'Joining the job at {address} as rank {rank} of {world_size} (waiting up to {timeout:.0f}s for all ranks)')
-    try:
-        # torchrun's agent hosts the store where it says so; otherwise rank 0 does, at MASTER_ADDR:MASTER_PORT.
-        is_master = rank == 0 and os.environ.get('TORCHELASTIC_USE_AGENT_STORE') != 'True'
-        store = dist.TCPStore(os.environ['MASTER_ADDR'], int(os.environ['MASTER_PORT']), world_size,
-                              is_master=is_master, timeout=timedelta(seconds=timeout), wait_for_workers=False)
-    except RuntimeError as e:
-        raise common.SetupError(f'rank {rank} could not reach the job at {address} within {timeout:.0f}s '
-                                f'({str(e).splitlines()[0][:200]}). Check that MASTER_ADDR and MASTER_PORT name '
-                                f'rank 0\'s node and that its job started; --join-timeout sets the wait.') from None
+    # torchrun's agent hosts the store where it says so; otherwise rank 0 does, at MASTER_ADDR:MASTER_PORT.
+    is_master = rank == 0 and os.environ.get('TORCHELASTIC_USE_AGENT_STORE') != 'True'
+    deadline = time.monotonic() + timeout
+    while not is_master:  # waited for quietly, within the timeout: TCPStore's own retries log C++ stack dumps
+        try:
+            socket.create_connection((os.environ['MASTER_ADDR'], int(os.environ['MASTER_PORT'])),
+                                     timeout=max(0.1, min(5.0, deadline - time.monotonic()))).close()
+            break
+        except OSError as e:
+            if time.monotonic() >= deadline:
+                raise common.SetupError(f'rank {rank} could not reach the job at {address} within {timeout:.0f}s '
+                                        f'({e.strerror or e}). Check that MASTER_ADDR and MASTER_PORT name rank 0\'s '
+                                        f'node and that its job started; --join-timeout sets the wait.') from None
+            time.sleep(0.2)
+    store = dist.TCPStore(os.environ['MASTER_ADDR'], int(os.environ['MASTER_PORT']), world_size, is_master=is_master,
+                          timeout=timedelta(seconds=max(1.0, deadline - time.monotonic())), wait_for_workers=False)
     if os.environ.get('TORCHELASTIC_USE_AGENT_STORE') == 'True':
         store = attempt_store(store, rank, world_size, timeout)
     gpu = 'cpu'
@@ -144,14 +154,14 @@ def join(rank, world_size, device, timeout):
                   f'{device} of CUDA_VISIBLE_DEVICES={os.environ.get("CUDA_VISIBLE_DEVICES", "all")}')
     store.set(f'joined/{rank}', f'{socket.gethostname()} {gpu}')
     keys = [f'joined/{r}' for r in range(world_size)]
-    try:
-        store.wait(keys, timedelta(seconds=timeout))
-    except RuntimeError:
-        absent = [r for r in range(world_size) if not store.check([keys[r]])]
-        raise common.SetupError(f'rank{"s" if len(absent) > 1 else ""} {", ".join(map(str, absent))} of {world_size} '
-                                f'did not join the job at {address} within {timeout:.0f}s. Check that every node '
-                                f'started with the same MASTER_ADDR, MASTER_PORT and WORLD_SIZE; --join-timeout '
-                                f'sets the wait.') from None
+    while not store.check(keys):  # polled, not store.wait(): its timeout logs C++ warnings on newer torch
+        if time.monotonic() >= deadline:
+            absent = [r for r in range(world_size) if not store.check([keys[r]])]
+            raise common.SetupError(f'rank{"s" if len(absent) > 1 else ""} {", ".join(map(str, absent))} of '
+                                    f'{world_size} did not join the job at {address} within {timeout:.0f}s. Check that '
+                                    f'every node started with the same MASTER_ADDR, MASTER_PORT and WORLD_SIZE; '
+                                    f'--join-timeout sets the wait.')
+        time.sleep(0.1)
     store.set_timeout(timedelta(minutes=30))  # from here on, waits are for work (a download), not for ranks
     global job_store
     job_store = store
@@ -225,6 +235,15 @@ def peer_lost(error, epoch, rank, world_size):
         f'the job now; otherwise start the same command again on every node. Either resumes from epoch {epoch}.')
 
 
+@contextlib.contextmanager
+def peers_watched(epoch, rank, world_size):
+    """Turn a failed collective (RuntimeError, DistBackendError too) into peer_lost's paragraph."""
+    try:
+        yield
+    except RuntimeError as e:
+        raise peer_lost(e, epoch, rank, world_size) from None
+
+
 def on_ranks(selected, fn, *args):
     """fn(*args) on the selected ranks while the others wait; rank 0's result for all, or everyone raises."""
     result, error = None, None
@@ -239,8 +258,27 @@ def on_ranks(selected, fn, *args):
         raise error
     for rank, (_, message) in enumerate(gathered):
         if message is not None:
-            raise common.SetupError(f'rank {rank} failed during set-up: {message}')
+            error = common.SetupError(f'rank {rank} failed during set-up: {message}')
+            error.origin = rank  # another rank's failure, not this one's
+            raise error
     return gathered[0][0]
+
+
+def report_failure(error):
+    """Say why this process stops, in one paragraph: on stderr, or where torchrun will not restart it, in the
+    error file torchrun hands each worker (as torch.distributed.elastic's @record writes it), which its failure
+    report quotes, naming the rank where the failure began as the root cause."""
+    message, path = f'error: {error}', os.environ.get('TORCHELASTIC_ERROR_FILE')
+    restarts_left = int(os.environ.get('TORCHELASTIC_MAX_RESTARTS', 0)) - int(os.environ.get('TORCHELASTIC_RESTART_COUNT', 0))
+    if not path or restarts_left > 0:
+        sys.stderr.write(message + '\n')  # one write: the ranks of a job share the stream
+        return
+    origin = getattr(error, 'origin', None)
+    if origin is not None:  # its paragraph is in the report of rank `origin`'s node; reported a second later
+        message = f'error: stopped because rank {origin} failed during set-up (the root cause: see its node\'s report)'
+    with open(path, 'w') as f:  # the report shows py_callstack: here the paragraph, not a traceback
+        json.dump({'message': {'message': message, 'extraInfo': {
+            'py_callstack': message, 'timestamp': str(int(time.time()) + (origin is not None))}}}, f)
 
 
 def train(model, train_loader, optimizer, criterion, epoch, device, writer, log_interval, rank, local_rank, world_size):
@@ -305,8 +343,8 @@ def main(args):
         return
 
     # Data: rank 0 downloads, then each other node's first process if it sees none; disjoint validation shares
-    on_ranks(rank == 0, common.prepare_mnist, args.data_dir)
-    on_ranks(local_rank == 0 and rank != 0, common.prepare_mnist, args.data_dir)
+    for first in (rank == 0, local_rank == 0 and rank != 0):
+        on_ranks(first, common.prepare_mnist, args.data_dir)
     train_dataset = datasets.MNIST(root=args.data_dir, train=True, download=False, transform=transform)
     val_dataset = datasets.MNIST(root=args.data_dir, train=False, download=False, transform=transform)
     train_sampler = DistributedSampler(train_dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed)
@@ -318,8 +356,7 @@ def main(args):
     model = common.SimpleCNN().to(device)
     if device.type == 'cpu':  # channels_last: a third faster on torch 2.3's CPU convolutions
         model = model.to(memory_format=torch.channels_last)
-    # DDP: rank 0's weights on every rank now, the gradients averaged in each backward()
-    model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[local_rank] if device.type == 'cuda' else None)
+    model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[local_rank] if device.type == 'cuda' else None)  # rank 0's weights everywhere
     criterion = nn.CrossEntropyLoss()
     optimizer = optim.SGD(model.parameters(), lr=learning_rate)
     start_epoch, best_val_accuracy, best_epoch = common.resume(checkpoint, model.module, optimizer, best_model_path, main_process=rank == 0)
@@ -333,11 +370,9 @@ def main(args):
     for epoch in range(start_epoch, num_epochs):
         epoch_start = time.perf_counter()
         train_sampler.set_epoch(epoch)  # a new order each epoch, the same one after a restart
-        try:
+        with peers_watched(epoch, rank, world_size):  # a failed collective: which rank is gone, in one paragraph
             train(model, train_loader, optimizer, criterion, epoch, device, writer, args.log_interval, rank, local_rank, world_size)
             val_loss, val_accuracy = validate(model, val_loader, criterion, device, writer, epoch, rank)
-        except RuntimeError as e:  # DistBackendError too: a collective failed
-            raise peer_lost(e, epoch, rank, world_size) from None
         if rank != 0:
             continue  # rank 0 alone logs and saves
         # Save the model with the best validation accuracy, then the checkpoint (logs first)
@@ -366,7 +401,9 @@ if __name__ == '__main__':
     except common.SetupError as e:
         if args.debug:
             raise
-        sys.stderr.write(f'error: {e}\n')  # one write: the ranks of a job share the stream
+        for signum in (signal.SIGINT, signal.SIGTERM):  # failing already: torchrun's SIGTERM to the others ends them quietly
+            signal.signal(signum, signal.SIG_DFL)
+        report_failure(e)
         sys.exit(1)
     finally:
         if dist.is_initialized():

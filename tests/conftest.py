@@ -3,6 +3,7 @@ import gzip
 import http.server
 import os
 import queue
+import re
 import socket
 import subprocess
 import sys
@@ -207,3 +208,15 @@ def read_scalars(log_dir):
     accumulator.Reload()
     return {tag: [(e.step, e.value) for e in accumulator.Scalars(tag)]
             for tag in accumulator.Tags()['scalars']}
+
+
+def torchrun_report(output):
+    """torchrun's failure report in a launcher's output: {'root': (rank, message), 'others': [(rank, message)]},
+    or None if it printed none. The message is what the worker left in its error file."""
+    if 'Root Cause (first observed failure):' not in output:
+        return None
+    failures, root = output.split('Root Cause (first observed failure):')
+    entry = re.compile(r'^  rank      : (\d+) \(local_rank: \d+\)$.*?^  traceback : (.*?)$', re.M | re.S)
+    others = [(int(rank), message) for rank, message in entry.findall(failures.split('Failures:')[-1])]
+    (rank, message), = entry.findall(root)
+    return {'root': (int(rank), message), 'others': others}

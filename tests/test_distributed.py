@@ -13,7 +13,8 @@ import pytest
 import torch
 
 import common
-from conftest import ROOT, FILES, Mirror, dist_cmd, free_port, gz_files, read_scalars, run, script_env, start, torchrun
+from conftest import (ROOT, FILES, Mirror, dist_cmd, free_port, gz_files, read_scalars, run, script_env, start, torchrun,
+                      torchrun_report)
 
 FAST = ('--lr', '0.1', '--batch-size', '16', '--log-interval', '5')
 SCRIPT = ROOT / 'mnist_train_distributed.py'
@@ -100,9 +101,47 @@ def test_a_node_without_data_stops_every_rank_with_the_reason(mnist_dir, tmp_pat
     offline = script_env(http_proxy='http://127.0.0.1:9', https_proxy='http://127.0.0.1:9', no_proxy='')
     codes, outputs = two_nodes([mnist_dir, tmp_path / 'empty_disk'], tmp_path / 'out', offline)
     assert codes[0] != 0 and codes[1] != 0
-    assert f'error: MNIST is not in {tmp_path}/empty_disk/MNIST/raw' in outputs[1]
-    assert 'error: rank 1 failed during set-up: MNIST is not in' in outputs[0]
+    # torchrun's failure report on each node: the rank where it began, its paragraph as the cause.
+    rank, message = torchrun_report(outputs[1])['root']
+    assert rank == 1 and message.startswith(f'error: MNIST is not in {tmp_path}/empty_disk/MNIST/raw'), outputs[1]
+    assert torchrun_report(outputs[0])['root'] == (
+        0, "error: stopped because rank 1 failed during set-up (the root cause: see its node's report)"), outputs[0]
+    for output in outputs:  # the paragraph once, in the report: no traceback of ours
+        assert output.count('MNIST is not in') <= 1 and not re.search(r'File ".*mnist_train_distributed\.py"', output)
     assert not (tmp_path / 'out' / 'checkpoint.pth').exists()
+
+
+def test_a_refused_resume_is_the_root_cause_in_torchruns_report(mnist_dir, tmp_path):
+    out = tmp_path / 'out'
+    run(dist_cmd('--data-dir', mnist_dir, '--output-dir', out, '--epochs', '1', *FAST))  # lr 0.1
+    port = free_port()
+    nodes = [start(torchrun('--nproc_per_node=1', '--nnodes=2', f'--node_rank={node}', '--master_addr=127.0.0.1',
+                            f'--master_port={port}', SCRIPT, '--data-dir', mnist_dir, '--output-dir', out,
+                            '--epochs', '2', '--lr', '0.05', '--batch-size', '16')) for node in (0, 1)]
+    outputs = [reader.rest(timeout=180) for _, reader in nodes]
+    rank, message = torchrun_report(outputs[0])['root']
+    assert rank == 0 and message.startswith(f'error: {out}/checkpoint.pth was trained with --lr 0.1 (now 0.05); '
+                                            f'resuming would mix'), outputs[0]
+    assert torchrun_report(outputs[1])['root'] == (
+        1, "error: stopped because rank 0 failed during set-up (the root cause: see its node's report)"), outputs[1]
+    assert outputs[0].count('was trained with') == 1, 'the paragraph once'
+
+
+def test_a_lost_peer_is_the_survivors_paragraph_in_torchruns_report(mnist_big_dir, tmp_path):
+    port = free_port()
+    nodes = [start(torchrun('--nproc_per_node=1', '--nnodes=2', f'--node_rank={node}', '--master_addr=127.0.0.1',
+                            f'--master_port={port}', SCRIPT, '--data-dir', mnist_big_dir, '--output-dir',
+                            tmp_path / 'out', '--epochs', '2', '--log-interval', '20')) for node in (0, 1)]
+    readers = [reader for _, reader in nodes]
+    pid = int(wait_in(readers, r'^Rank 1/2 \(local rank 0, pid (\d+)\)').group(1))
+    wait_in(readers, r'^Rank: 1, Local_Rank: 0 -- Train Epoch: 0 \[2560/')
+    os.kill(pid, signal.SIGKILL)  # node 1's worker gone, no restarts
+    outputs = [reader.rest(timeout=240) for reader in readers]
+    rank, message = torchrun_report(outputs[0])['root']
+    assert rank == 0 and re.match(r'error: rank 0 lost rank 1 of 2 during epoch 0 \(.*\): its process or node is '
+                                  r'gone\.', message), outputs[0]
+    assert torchrun_report(outputs[1])['root'][0] == 1 and 'Signal 9 (SIGKILL)' in outputs[1]
+    assert outputs[0].count('lost rank 1') == 1 and not re.search(r'File ".*mnist_train_distributed\.py"', outputs[0])
 
 
 def test_a_killed_worker_is_restarted_and_resumes(mnist_big_dir, tmp_path):
@@ -217,7 +256,7 @@ def test_a_rank_left_alone_says_where_it_waits_and_stops_in_time(rank, tmp_path)
     line = reader.wait_for(lambda line: line.startswith('Joining'), timeout=30)  # at once, before any wait
     assert line == f'Joining the job at 127.0.0.1:{port} as rank {rank} of 2 (waiting up to 3s for all ranks)\n'
     output = reader.rest(timeout=30)  # the timeout is 3 s: well within 30
-    assert proc.returncode == 1 and 'Traceback' not in output, output
+    assert proc.returncode == 1 and len(output.splitlines()) == 2, output  # no C++ log lines of c10d
     if rank == 0:  # it hosts the meeting point: it knows who did not come
         assert f'error: rank 1 of 2 did not join the job at 127.0.0.1:{port} within 3s' in output
     else:  # nobody listens at the master's address

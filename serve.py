@@ -22,6 +22,7 @@ import contextlib
 import email.parser
 import email.policy
 import errno
+import io
 import json
 import math
 import multiprocessing
@@ -175,9 +176,9 @@ def images_in(body, content_type):
 
 
 def read_image(data):
-    """One image's tensor, or Refused with the status its problem gets."""
+    """One image as MNIST framed its digits (a 28x28 'L' image), or Refused with the status its problem gets."""
     try:
-        return framing.to_tensor(data)
+        return framing.to_mnist(data)
     except framing.NotAnImage as e:
         raise Refused(400, f'the body is {e}; {FORMS}') from None
     except framing.TooLarge as e:
@@ -188,8 +189,9 @@ def read_image(data):
         raise Refused(400, str(e)) from None
 
 
-def answer(model, body, content_type, dropped):
-    """The JSON reply to a POST /predict body, on a prediction thread; gives up once dropped (an Event) is set."""
+def answer(model, body, content_type, dropped, framed=False):
+    """The JSON reply to a POST /predict body, on a prediction thread; gives up once dropped (an Event) is set.
+    framed: each prediction also carries the 28x28 image the model read, as a PNG data: URL."""
     images, several = images_in(body, content_type)
     if len(images) > MAX_IMAGES:
         raise Refused(413, f'the request holds {len(images)} images; at most {MAX_IMAGES} are served at once')
@@ -202,8 +204,12 @@ def answer(model, body, content_type, dropped):
         except Refused as e:
             e.args = (f'image {k + 1} of {len(images)}: {e}',) if several else e.args
             raise
-    digits, probabilities = predict(model, torch.cat(batch))
+    digits, probabilities = predict(model, torch.cat([framing.transform(image).unsqueeze(0) for image in batch]))
     replies = [{'digit': d, 'probabilities': [round(p, 6) for p in ps]} for d, ps in zip(digits, probabilities)]
+    for reply, image in zip(replies, batch if framed else []):
+        png = io.BytesIO()
+        image.save(png, 'PNG')
+        reply['framed'] = 'data:image/png;base64,' + base64.b64encode(png.getvalue()).decode()
     return {'predictions': replies} if several else replies[0]
 
 
@@ -275,7 +281,8 @@ class App:
             body = await read_body(receive, deadline, self.args.timeout)
             if not body:
                 raise Refused(400, f'the body is empty; {FORMS}')
-            return 200, await self.run(body, headers.get(b'content-type', b'').decode('latin-1'), receive), {}
+            framed = b'framed=1' in scope['query_string'].split(b'&')  # opt-in: the 28x28 images too
+            return 200, await self.run(body, headers.get(b'content-type', b'').decode('latin-1'), framed, receive), {}
 
     @contextlib.asynccontextmanager
     async def body_room(self, size, deadline):
@@ -300,12 +307,12 @@ class App:
                 async with self.room:
                     self.room.notify_all()
 
-    async def run(self, body, content_type, receive):
+    async def run(self, body, content_type, framed, receive):
         """The reply, from a prediction thread, dropped when the client goes or the deadline passes."""
         if self.waiting >= MAX_WAITING:
             raise Refused(503, f'{MAX_WAITING} requests are waiting already; try again shortly', **{'retry-after': '1'})
         dropped = threading.Event()
-        job = self.pool.submit(answer, self.model, body, content_type, dropped)
+        job = self.pool.submit(answer, self.model, body, content_type, dropped, framed)
         work, gone, quick = asyncio.wrap_future(job), None, min(0.05, self.args.deadline)
         self.waiting += 1
         try:  # most answers come within 50 ms; one still at work then also watches for its client leaving
@@ -437,7 +444,7 @@ def main(args):
     for path in args.predict:
         try:
             with open(path, 'rb') as f:
-                digits, probabilities = predict(model, read_image(f.read()))
+                digits, probabilities = predict(model, framing.transform(read_image(f.read())).unsqueeze(0))
             print(f'{path}: {digits[0]} ({max(probabilities[0]):.1%})')
         except (OSError, Refused) as e:
             print(f'{path}: error: {e}', file=sys.stderr)

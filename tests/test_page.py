@@ -5,6 +5,7 @@ The model is trained here, in a few seconds, on three shapes drawn with Pillow a
 an ellipse (0), an upright stroke (1), a bar and a slant (7). The browser then draws those shapes by
 pointer, so what is asserted is the whole path: strokes, canvas PNG, POST /predict, framing, model, page.
 """
+import base64
 import io
 import os
 import random
@@ -126,7 +127,18 @@ def test_drawing_a_digit_shows_it_and_its_probabilities(page, digit, strokes):
     assert shown(page, digit) == str(digit), page.find_element('id', 'status').text
     probabilities = bars(page)
     assert sum(probabilities) == pytest.approx(100, abs=1) and max(probabilities) == probabilities[digit]
-    assert page.find_element('id', 'status').text == f'It looks like a {digit}.'
+    assert page.find_element('id', 'status').text.startswith(f'It looks like a {digit}.')
+    assert seen_image(page).size == (28, 28), 'the 28x28 image the model read is shown'
+
+
+def seen_image(page):
+    """The image the page shows as what the model read (None while hidden): a PIL image."""
+    if not page.find_element('id', 'seen').is_displayed():
+        return None
+    src = page.find_element('id', 'framed').get_attribute('src')
+    assert src.startswith('data:image/png;base64,'), src[:50]
+    assert page.execute_script("return document.getElementById('framed').naturalWidth") == 28
+    return Image.open(io.BytesIO(base64.b64decode(src.partition(',')[2])))
 
 
 def test_uploading_a_file_shows_its_digit_and_a_blank_one_says_why(page, tmp_path):
@@ -135,11 +147,13 @@ def test_uploading_a_file_shows_its_digit_and_a_blank_one_says_why(page, tmp_pat
     page.find_element('id', 'clear').click()
     page.find_element('id', 'file').send_keys(str(path))
     assert shown(page, 7) == '7'
+    import framing  # what the page shows is the framing of that very file
+    assert seen_image(page).tobytes() == framing.to_mnist(path.read_bytes()).tobytes()
     Image.new('RGB', (100, 100), 'white').save(tmp_path / 'blank.png')
     page.find_element('id', 'file').send_keys(str(tmp_path / 'blank.png'))
     from selenium.webdriver.support.ui import WebDriverWait
     WebDriverWait(page, 20).until(lambda b: 'no digit' in b.find_element('id', 'status').text)
-    assert page.find_element('id', 'digit').text == ''
+    assert page.find_element('id', 'digit').text == '' and seen_image(page) is None
     if os.environ.get('PAGE_SCREENSHOT'):  # to look at it: PAGE_SCREENSHOT=page.png
         page.save_screenshot(os.environ['PAGE_SCREENSHOT'])
 

@@ -129,6 +129,26 @@ def test_every_request_form_gets_the_same_answer(server, model_file, tmp_path):
             assert json.loads(reply) == one
 
 
+def test_framed_1_adds_the_28x28_image_the_model_read_and_only_then(server):
+    port = server[0]
+    image = png(4, size=120)
+    status, plain = post(port, image)
+    assert status == 200 and 'framed' not in plain, 'the default reply is as it was'
+    connection = http.client.HTTPConnection('127.0.0.1', port, timeout=30)
+    connection.request('POST', '/predict?framed=1', body=image)
+    response = connection.getresponse()
+    reply = json.loads(response.read())
+    assert response.status == 200 and reply['digit'] == plain['digit'] and reply['probabilities'] == plain['probabilities']
+    assert reply['framed'].startswith('data:image/png;base64,')
+    shown = Image.open(io.BytesIO(base64.b64decode(reply['framed'].partition(',')[2])))
+    assert shown.size == (28, 28) and shown.tobytes() == framing.to_mnist(image).tobytes()
+    body, headers = multipart(png(1), png(2))
+    connection.request('POST', '/predict?framed=1', body=body, headers=headers)
+    response = connection.getresponse()
+    several = json.loads(response.read())['predictions']
+    assert [p['framed'][:22] for p in several] == ['data:image/png;base64,'] * 2
+
+
 @pytest.mark.parametrize('body, headers, message', [
     (json.dumps({'picture': 'x'}), {}, 'the JSON body is not {"image": "<base64>"}'),
     (json.dumps({'image': '%%% not base64'}), {}, 'the JSON body is not'),

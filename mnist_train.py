@@ -131,8 +131,7 @@ def main(args):
     # TensorBoard (purge_step: steps an interrupted run logged past its checkpoint are hidden)
     writer = SummaryWriter(f'{args.output_dir}/runs/mnist_experiment', purge_step=start_epoch * len(train_loader))
 
-    # Training, with validation after each epoch
-    run_start = time.perf_counter()
+    run_start = time.perf_counter()  # training, with validation after each epoch
     for epoch in range(start_epoch, num_epochs):
         epoch_start = time.perf_counter()
         train_loader.set_epoch(epoch)  # a new order each epoch, the same one after a restart
@@ -147,6 +146,7 @@ def main(args):
         common.save_checkpoint(args, writer, model, optimizer, epoch + 1, best_val_accuracy, best_epoch)
         epoch_time = time.perf_counter() - epoch_start
         print(f'Epoch {epoch} done in {epoch_time:.2f}s ({len(train_loader.dataset) / epoch_time:.0f} samples/s)')
+    common.review_best_model(writer, args, best_model_path, val_loader, best_val_accuracy, best_epoch, 1)  # TensorBoard's other tabs
     writer.close()
     print(f'Best accuracy {best_val_accuracy:.2f}% at epoch {best_epoch}, saved in {best_model_path}; {num_epochs - start_epoch} epochs in {time.perf_counter() - run_start:.1f}s')
     print('Training complete. writer.close()')

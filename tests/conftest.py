@@ -220,3 +220,29 @@ def torchrun_report(output):
     others = [(int(rank), message) for rank, message in entry.findall(failures.split('Failures:')[-1])]
     (rank, message), = entry.findall(root)
     return {'root': (int(rank), message), 'others': others}
+
+
+def read_review(log_dir):
+    """What review_best_model wrote, as TensorBoard's reader sees it: {'images': {tag: [steps]}, 'pr_curves':
+    [tags], 'graph': bool, 'hparams': bool, 'matrix': the 10x10 confusion matrix (rows true) of the last step,
+    'mistakes': the count the text states}."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    accumulator = EventAccumulator(str(log_dir), size_guidance={'images': 0, 'tensors': 0})
+    accumulator.Reload()
+    tags = accumulator.Tags()
+    text = accumulator.Tensors('Best model/confusion matrix/text_summary')[-1].tensor_proto.string_val[0].decode()
+    rows = re.findall(r'^\| \*\*\d\*\* \| (.*) \|$', text, re.M)
+    try:
+        plugins = accumulator.PluginTagToContent('hparams')
+    except KeyError:  # no hparams written
+        plugins = {}
+    return {'images': {tag: [event.step for event in accumulator.Images(tag)] for tag in tags['images']},
+            'pr_curves': [tag for tag in tags['tensors'] if tag.startswith('Best model/digit ')],
+            'graph': tags['graph'], 'hparams': bool(plugins),
+            'matrix': [[int(n) for n in row.split(' | ')] for row in rows],
+            'mistakes': int(re.search(r'(\d+) mistakes', text).group(1)), 'text': text}
+
+
+def event_writers(log_dir):
+    """The processes (host.pid) that wrote a TensorBoard run's event files."""
+    return {'.'.join(path.name.split('.')[4:-1]) for path in Path(log_dir).glob('events.out.tfevents.*')}

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import common
-from conftest import (ROOT, FILES, Mirror, dist_cmd, free_port, gz_files, read_scalars, run, script_env, start, torchrun,
-                      torchrun_report)
+from conftest import (ROOT, FILES, Mirror, dist_cmd, event_writers, free_port, gz_files, read_scalars, run, script_env,
+                      start, torchrun, torchrun_report)
 
 FAST = ('--lr', '0.1', '--batch-size', '16', '--log-interval', '5')
 SCRIPT = ROOT / 'mnist_train_distributed.py'
@@ -32,8 +32,12 @@ def check_result(stdout, out, epochs, world_size):
     assert not any(key.startswith('module.') for key in state)
     common.SimpleCNN().load_state_dict(state)
     assert sorted(p.name for p in out.iterdir()) == ['best_model.pth', 'checkpoint.pth', 'runs']
-    assert len(list((out / 'runs' / 'mnist_experiment').iterdir())) == 1, 'one writer: rank 0'
+    assert len(event_writers(out / 'runs' / 'mnist_experiment')) == 1, 'one writer: rank 0'
     assert [s for s, _ in read_scalars(out / 'runs' / 'mnist_experiment')['Accuracy/validation']] == list(range(epochs))
+    # The best model's review counts every test image once, whatever the world size: as printed.
+    from test_single import check_review
+    best = max(int(c) for c in re.findall(r'^Validation Loss: \d+\.\d{4}, Accuracy: (\d+)/200', stdout, re.M))
+    check_review(out, best_correct=best, total=200, step=epochs)
 
 
 def test_two_processes_on_one_node(mnist_dir, tmp_path):

@@ -6,7 +6,7 @@ import torch
 from torchvision import datasets, transforms
 
 import common
-from conftest import read_scalars, run, start, train_cmd
+from conftest import read_review, read_scalars, run, start, train_cmd
 
 FAST = ('--lr', '0.1', '--batch-size', '16', '--log-interval', '10')  # learns the tiny set in 3 epochs
 
@@ -36,6 +36,7 @@ def test_trains_logs_and_saves_like_the_document(mnist_dir, tmp_path):
     assert [step for step, _ in scalars['Accuracy/validation']] == [0, 1, 2]
     assert [v for _, v in scalars['Accuracy/validation']] == accuracies
     assert [round(v, 4) for _, v in scalars['Loss/validation']] == [float(l) for l, _, _ in val_lines]
+    check_review(out, best_correct=max(int(correct) for _, correct, _ in val_lines), total=200, step=3)
 
     # best_model.pth: a plain state_dict that loads safely into the model and gives the best accuracy.
     state = torch.load(out / 'best_model.pth', weights_only=True)
@@ -94,3 +95,60 @@ def test_no_resume_starts_over_and_keeps_the_earlier_best_model(mnist_dir, tmp_p
     assert f'the earlier run is kept as best_model.pth.previous and checkpoint.pth.previous in {out}' in stdout
     assert (out / 'best_model.pth.previous').read_bytes() == earlier
     assert (out / 'best_model.pth').exists()
+
+
+def check_review(out, best_correct, total, step):
+    """TensorBoard's other tabs for the best model: every validation image counted once, as printed."""
+    review = read_review(out / 'runs' / 'mnist_experiment')
+    assert sorted(review['images']) == ['Best model/confusion matrix (rows: true, columns: read as)',
+                                        'Best model/mistakes (true > read as), the surest first']
+    assert all(steps == [step] for steps in review['images'].values()), review['images']
+    assert review['pr_curves'] == [f'Best model/digit {d}' for d in range(10)]
+    assert review['graph'] and review['hparams']
+    matrix = review['matrix']
+    assert sum(map(sum, matrix)) == total and sum(matrix[d][d] for d in range(10)) == best_correct, review['text']
+    assert review['mistakes'] == total - best_correct
+    return review
+
+
+def test_training_on_adds_a_review_at_the_new_step_and_a_finished_run_none(mnist_dir, tmp_path):
+    out = tmp_path / 'out'
+    run(train_cmd('--data-dir', mnist_dir, '--output-dir', out, '--epochs', '1', *FAST))
+    run(train_cmd('--data-dir', mnist_dir, '--output-dir', out, '--epochs', '1', *FAST))  # already complete
+    _, stdout, _ = run(train_cmd('--data-dir', mnist_dir, '--output-dir', out, '--epochs', '2', *FAST))
+    review = read_review(out / 'runs' / 'mnist_experiment')
+    assert all(steps == [1, 2] for steps in review['images'].values()), review['images']  # nothing twice
+
+
+def test_a_real_tensorboard_shows_the_new_tabs(mnist_dir, tmp_path):
+    import json
+    import sys
+    import time
+    import urllib.request
+    from conftest import free_port
+    out = tmp_path / 'out'
+    run(train_cmd('--data-dir', mnist_dir, '--output-dir', out, '--epochs', '1', *FAST))
+    port = free_port()
+    proc, reader = start([sys.executable, '-m', 'tensorboard.main', '--logdir', out / 'runs', '--host', '127.0.0.1',
+                          '--port', str(port)])
+    get = lambda path: json.loads(urllib.request.urlopen(f'http://127.0.0.1:{port}{path}', timeout=30).read())
+    try:
+        for _ in range(300):  # serving, and the run loaded
+            try:
+                if get('/data/plugins_listing')['images']['enabled']:
+                    break
+            except (OSError, KeyError):
+                pass
+            time.sleep(0.2)
+        listing = get('/data/plugins_listing')
+        assert all(listing[name]['enabled'] for name in ('scalars', 'images', 'pr_curves', 'graphs', 'hparams',
+                                                          'text')), listing
+        assert sorted(get('/data/plugin/images/tags')['mnist_experiment']) == [
+            'Best model/confusion matrix (rows: true, columns: read as)',
+            'Best model/mistakes (true > read as), the surest first']
+        assert sorted(get('/data/plugin/pr_curves/tags')['mnist_experiment']) == [f'Best model/digit {d}' for d in range(10)]
+        assert sorted(get('/data/plugin/scalars/tags')['mnist_experiment'])[:3] == [
+            'Accuracy/validation', 'Loss/train', 'Loss/validation']
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

@@ -306,10 +306,19 @@ def review_best_model(writer, args, best_model_path, val_loader, best_val_accura
     writer.flush()
 
 
+def _font(size):
+    """Pillow's own font at size pixels (Pillow 10.1 and newer), else its small bitmap one."""
+    from PIL import ImageFont
+    try:
+        return ImageFont.load_default(size=size)
+    except TypeError:
+        return ImageFont.load_default()
+
+
 def _mistakes_picture(images, labels, read):
     """Up to 64 digits [N, 1, 28, 28] (normalized) in 8 columns, each twice its size over 'true > read'."""
     from PIL import Image, ImageDraw
-    columns, cell = 8, (64, 78)
+    columns, cell, font = 8, (64, 80), _font(14)
     picture = Image.new('RGB', (columns * cell[0], max(1, math.ceil(len(images) / columns)) * cell[1]), 'white')
     draw = ImageDraw.Draw(picture)
     for k, (image, true, seen) in enumerate(zip(images, labels.tolist(), read.tolist())):
@@ -317,27 +326,27 @@ def _mistakes_picture(images, labels, read):
         pixels = ((image[0] + 1) * 127.5).round().clamp(0, 255).to(torch.uint8)
         digit = Image.frombytes('L', (28, 28), bytes(pixels.flatten().tolist())).resize((56, 56), Image.NEAREST)
         picture.paste(digit, (x + 4, y + 2))
-        draw.text((x + 18, y + 62), f'{true} > {seen}', fill=(170, 0, 0))
+        draw.text((x + 14, y + 60), f'{true} > {seen}', fill=(170, 0, 0), font=font)
     return torch.frombuffer(bytearray(picture.tobytes()), dtype=torch.uint8).view(picture.height, picture.width, 3)
 
 
 def _matrix_picture(matrix):
     """A 10x10 confusion matrix as a picture: counts in cells, the diagonal green, confusions red."""
     from PIL import Image, ImageDraw
-    size, margin = 40, 28
+    size, margin, font = 44, 30, _font(15)
     picture = Image.new('RGB', (margin + 10 * size + 2, margin + 10 * size + 2), 'white')
     draw = ImageDraw.Draw(picture)
     largest = max(1, int((matrix - torch.diag(matrix.diag())).max()))
     for t in range(10):
-        draw.text((10, margin + t * size + 14), str(t), fill='black')  # true digits down the left
-        draw.text((margin + t * size + 17, 8), str(t), fill='black')  # read as, along the top
+        draw.text((10, margin + t * size + 13), str(t), fill='black', font=font)  # true digits down the left
+        draw.text((margin + t * size + 18, 8), str(t), fill='black', font=font)  # read as, along the top
         for r in range(10):
             count, box = int(matrix[t, r]), (margin + r * size, margin + t * size,
                                               margin + (r + 1) * size, margin + (t + 1) * size)
             shade = 1 - min(1.0, count / largest) * 0.8 if t != r else 0.55
             colour = (int(255 * shade), 200, int(255 * shade)) if t == r else (255, int(255 * shade), int(255 * shade))
             draw.rectangle(box, fill=colour if count else 'white', outline=(200, 200, 200))
-            draw.text((box[0] + 6, box[1] + 14), str(count), fill='black')
+            draw.text((box[0] + 5, box[1] + 13), str(count), fill='black', font=font)
     return torch.frombuffer(bytearray(picture.tobytes()), dtype=torch.uint8).view(picture.height, picture.width, 3)
 
 

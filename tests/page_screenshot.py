@@ -22,18 +22,23 @@ from test_page import stroke  # noqa: E402  (the tests' own pointer strokes)
 FOUR = [[(95, 50), (75, 150), (190, 150)], [(165, 60), (160, 240)]]  # a 4 in the canvas's 280x280 pixels
 
 
+def headless_chromium(width, height):
+    """Debian's Chromium, headless, through its chromedriver, with a window of width x height pixels."""
+    options = webdriver.ChromeOptions()
+    options.binary_location = next(filter(None, map(shutil.which, ('chromium', 'chromium-browser', 'google-chrome'))))
+    for flag in ('--headless=new', '--no-sandbox', '--disable-dev-shm-usage', f'--window-size={width},{height}',
+                 '--disable-background-networking', '--disable-component-update'):
+        options.add_argument(flag)
+    return webdriver.Chrome(options=options, service=webdriver.ChromeService(shutil.which('chromedriver')))
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     parser.add_argument('--model', required=True, help='best_model.pth written by the training scripts')
     parser.add_argument('--out', default=os.path.join(ROOT, 'docs', 'page.png'), help='the PNG (default: docs/page.png)')
     args = parser.parse_args()
     server = Server(os.path.join(ROOT, 'serve.py'), args.model)
-    options = webdriver.ChromeOptions()
-    options.binary_location = next(filter(None, map(shutil.which, ('chromium', 'chromium-browser', 'google-chrome'))))
-    for flag in ('--headless=new', '--no-sandbox', '--disable-dev-shm-usage', '--window-size=780,720',
-                 '--disable-background-networking', '--disable-component-update'):
-        options.add_argument(flag)
-    browser = webdriver.Chrome(options=options, service=webdriver.ChromeService(shutil.which('chromedriver')))
+    browser = headless_chromium(780, 720)
     try:
         browser.get(f'http://127.0.0.1:{server.port}/')
         for points in FOUR:

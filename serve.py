@@ -204,7 +204,7 @@ def answer(model, body, content_type, dropped, framed=False):
         except Refused as e:
             e.args = (f'image {k + 1} of {len(images)}: {e}',) if several else e.args
             raise
-    digits, probabilities = predict(model, torch.cat([framing.transform(image).unsqueeze(0) for image in batch]))
+    digits, probabilities = predict(model, torch.cat([framing.mnist_tensor(image) for image in batch]))
     replies = [{'digit': d, 'probabilities': [round(p, 6) for p in ps]} for d, ps in zip(digits, probabilities)]
     for reply, image in zip(replies, batch if framed else []):
         png = io.BytesIO()
@@ -444,7 +444,7 @@ def main(args):
     for path in args.predict:
         try:
             with open(path, 'rb') as f:
-                digits, probabilities = predict(model, framing.transform(read_image(f.read())).unsqueeze(0))
+                digits, probabilities = predict(model, framing.mnist_tensor(read_image(f.read())))
             print(f'{path}: {digits[0]} ({max(probabilities[0]):.1%})')
         except (OSError, Refused) as e:
             print(f'{path}: error: {e}', file=sys.stderr)

@@ -158,7 +158,8 @@ def images_in(body, content_type):
         parts = form.iter_parts() if form.is_multipart() else []
         files = [part.get_payload(decode=True) for part in parts
                  if part.get_filename() is not None or part.get_content_maintype() == 'image']
-        if not any(files):
+        files = [data for data in files if data]  # an empty file field is no image
+        if not files:
             raise Refused(400, f'the form holds no file; {FORMS}')
         return files, len(files) > 1
     if body.lstrip()[:1] == b'{':  # JSON, whatever its Content-Type (curl -d says form-urlencoded)

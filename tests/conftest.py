@@ -246,3 +246,18 @@ def read_review(log_dir):
 def event_writers(log_dir):
     """The processes (host.pid) that wrote a TensorBoard run's event files."""
     return {'.'.join(path.name.split('.')[4:-1]) for path in Path(log_dir).glob('events.out.tfevents.*')}
+
+
+def pytest_configure(config):
+    config.addinivalue_line('markers', 'one_leg: a slow test whose code does not depend on the torch version: run '
+                                       'on the PAI image\'s torch 2.3 leg only, so each leg stays within minutes')
+
+
+def pytest_collection_modifyitems(config, items):
+    import torch
+    if torch.__version__ < '2.4' or os.environ.get('ALL_TESTS'):
+        return
+    skip = pytest.mark.skip(reason='slow and torch-independent: run by ./run_local.sh test-pai (or ALL_TESTS=1)')
+    for item in items:
+        if 'one_leg' in item.keywords:
+            item.add_marker(skip)

@@ -316,6 +316,7 @@ def test_eight_largest_images_at_once_stay_under_the_memory_bound(model_file):
     assert memory.peak < 1.5 * 2**30, f'peak PSS {memory.peak / 2**20:.0f} MiB'
 
 
+@pytest.mark.one_leg  # 2 GB through loopback
 def test_200_clients_sending_10_mb_each_stay_under_the_memory_bound(model_file):
     """Bodies wait for room in each worker's budget of body bytes, unread (uvicorn stops reading them)."""
     proc, reader, port = serve(model_file, '--workers', '2')

@@ -24,16 +24,31 @@ from conftest import ROOT, free_port, run, start
 SERVE = ROOT / 'serve.py'
 
 
+STARTED = []  # servers a test started: none outlives its test, even one whose assertion failed
+
+
 def serve(model_file, *flags):
     port = free_port()
     proc, reader = start([sys.executable, SERVE, '--model', model_file, '--port', str(port), *flags])
+    STARTED.append(proc)
     reader.wait_for(lambda line: line.startswith('Serving'), timeout=60)
     return proc, reader, port
+
+
+@pytest.fixture(autouse=True)
+def no_server_left():
+    yield
+    while STARTED:
+        proc = STARTED.pop()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
 
 
 @pytest.fixture(scope='module')
 def server(model_file):
     proc, reader, port = serve(model_file, '--timeout', '2')
+    STARTED.remove(proc)  # the module's own: stopped below, after its last test
     yield port, proc, reader
     proc.terminate()
     proc.wait(timeout=30)
@@ -297,6 +312,7 @@ class Peak:
         self.peak = max(self.samples)
 
 
+@pytest.mark.one_leg
 def test_eight_largest_images_at_once_stay_under_the_memory_bound(model_file):
     proc, reader, port = serve(model_file)
     image = Image.new('RGBA', (4096, 4096), 'white')
@@ -348,6 +364,7 @@ def largest_png():
     return buffer.getvalue()
 
 
+@pytest.mark.one_leg
 def test_past_the_deadline_a_request_gets_503_or_504_and_its_work_is_dropped(model_file):
     proc, reader, port = serve(model_file, '--workers', '1', '--deadline', '0.05')
     big, statuses = largest_png(), []
@@ -369,6 +386,7 @@ def test_past_the_deadline_a_request_gets_503_or_504_and_its_work_is_dropped(mod
     assert len(re.findall(r'POST /predict 504 ', reader.rest())) >= 1
 
 
+@pytest.mark.one_leg
 def test_a_client_that_goes_away_costs_no_more_work(model_file):
     proc, reader, port = serve(model_file, '--workers', '1')
     big = largest_png()

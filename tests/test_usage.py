@@ -31,6 +31,7 @@ def test_a_script_uploaded_without_common_py_says_so_in_one_line(script, tmp_pat
                      f'folder of the dataset as the script).\n'
 
 
+@pytest.mark.one_leg
 def test_run_local_gives_each_script_only_the_flags_it_takes(mnist_dir, tmp_path):
     venv = Path(sys.executable).parent.parent
     if not list(venv.glob('.installed-*')):
@@ -50,6 +51,7 @@ def test_run_local_gives_each_script_only_the_flags_it_takes(mnist_dir, tmp_path
     assert f'Models:      {out}/single/best_model.pth, {out}/distributed/best_model.pth' in stdout
 
 
+@pytest.mark.one_leg
 def test_the_benchmarks_run_and_print_their_figures(mnist_dir):
     # Speed is not asserted here (that belongs to the benchmarks themselves): only that they still run.
     _, stdout, _ = run([sys.executable, ROOT / 'tests' / 'benchmark.py', '--data-dir', mnist_dir, '--repeats', '1'])

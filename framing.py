@@ -112,7 +112,11 @@ def to_mnist(picture):
             raise NoDigit
         return image
     factor = max(image.size) // JPEG_SIDE  # a picture of 2048 or more pixels a side: averaged to 1024-2047 first
-    grey = ink_layer(image.reduce(factor) if factor > 1 else image)
+    if factor > 1 and image.mode in ('LA', 'RGBA'):  # grey and opacity apart: Pillow averages RGBA slowly
+        image = Image.merge('LA', (image.convert('L').reduce(factor), image.getchannel('A').reduce(factor)))
+    elif factor > 1:
+        image = image.reduce(factor)
+    grey = ink_layer(image)
     if max(grey.size) > WORK_SIDE:
         grey = around_the_digit(grey)
     return frame(*ink_of(pixels(grey)))
@@ -123,8 +127,10 @@ def ink_layer(image):
     other transparent pictures are put on white."""
     if image.mode in ('LA', 'RGBA'):
         alpha = image.getchannel('A')
-        drawn = sum(alpha.histogram()[128:]) < alpha.width * alpha.height / 2
         low, high = alpha.getextrema()
+        if low == 255:  # opaque throughout: on white it is itself
+            return image.convert('L')
+        drawn = sum(alpha.histogram()[128:]) < alpha.width * alpha.height / 2
         image = alpha if high - low > 64 and drawn else \
             Image.alpha_composite(Image.new('RGBA', image.size, 'white'), image.convert('RGBA'))
     return image.convert('L')

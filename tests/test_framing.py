@@ -115,6 +115,10 @@ def test_large_images_are_decoded_within_bounds():
             assert framing.JPEG_SIDE <= max(decoded.size) < 2 * framing.JPEG_SIDE, decoded.size
         side, _ = geometry(framing.to_tensor(encode(image, fmt))[0, 0])
         assert 19 <= side <= 21, (fmt, side)
+    canvas = Image.new('RGBA', (3000, 3000), (0, 0, 0, 0))  # strokes on a large transparent canvas
+    ImageDraw.Draw(canvas).ellipse((1000, 750, 2000, 2250), outline=(0, 0, 0, 255), width=100)
+    side, _ = geometry(framing.to_tensor(encode(canvas))[0, 0])
+    assert 19 <= side <= 21, side
     with pytest.raises(framing.TooLarge, match='at most 16777216 are served'):
         framing.decode(encode(Image.new('L', (40_000_000, 1))))  # 40 megapixels in a few KB
 

@@ -20,9 +20,7 @@ import time
 
 import torch
 
-from bench_serve import ROOT, in_threads, pngs  # beside this file
-sys.path.insert(0, ROOT)
-import common  # noqa: E402
+from bench_serve import ROOT, in_threads, model_or_fresh, pngs  # beside this file
 
 LITSERVE_APP = '''
 import base64, os, sys
@@ -104,11 +102,7 @@ def main():
     parser.add_argument('--requests', type=int, default=4000, help='requests in each part (default: 4000)')
     parser.add_argument('--rounds', type=int, default=2, help='rounds, alternating servers (default: 2)')
     args = parser.parse_args()
-    model = args.model
-    if not model:
-        torch.manual_seed(0)
-        model = os.path.join(tempfile.mkdtemp(), 'best_model.pth')
-        torch.save(common.SimpleCNN().state_dict(), model)
+    model = model_or_fresh(args.model)
     bodies = [json.dumps({'image': base64.b64encode(png).decode()}).encode() for png in pngs(args.data_dir, 100)]
     app = os.path.join(tempfile.mkdtemp(), 'litserve_app.py')
     with open(app, 'w') as f:

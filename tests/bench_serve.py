@@ -220,6 +220,16 @@ def measure(server, bodies, big, kinds, args):
     return figures
 
 
+def model_or_fresh(path):
+    """path, or a freshly initialised model's weights saved in a temporary folder: any model serves as fast."""
+    if path:
+        return path
+    torch.manual_seed(0)
+    path = os.path.join(tempfile.mkdtemp(), 'best_model.pth')
+    torch.save(common.SimpleCNN().state_dict(), path)
+    return path
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     parser.add_argument('--model', help='best_model.pth to serve (default: a freshly initialised model)')
@@ -229,11 +239,7 @@ def main():
     parser.add_argument('--baseline', metavar='REV', help='also measure the serve.py of this git revision')
     parser.add_argument('--rounds', type=int, default=2, help='rounds, alternating servers (default: 2)')
     args = parser.parse_args()
-    model_path = args.model
-    if not model_path:
-        torch.manual_seed(0)
-        model_path = os.path.join(tempfile.mkdtemp(), 'best_model.pth')
-        torch.save(common.SimpleCNN().state_dict(), model_path)
+    model_path = model_or_fresh(args.model)
     scripts = {'serve.py': os.path.join(ROOT, 'serve.py')}
     if args.baseline:
         scripts[f'serve.py at {args.baseline}'] = baseline_serve(args.baseline)

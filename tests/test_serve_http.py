@@ -290,6 +290,15 @@ def tree_pss(pid):
     return total * 1024
 
 
+def at_once(count, client):
+    """Run client() on count threads at the same time; return when all are done."""
+    threads = [threading.Thread(target=client) for _ in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+
 class Peak:
     """The peak PSS of a server's processes, sampled every 20 ms on a thread while in a with block."""
 
@@ -315,17 +324,9 @@ class Peak:
 @pytest.mark.one_leg
 def test_eight_largest_images_at_once_stay_under_the_memory_bound(model_file):
     proc, reader, port = serve(model_file)
-    image = Image.new('RGBA', (4096, 4096), 'white')
-    ImageDraw.Draw(image).ellipse((1300, 1000, 2800, 3000), outline='black', width=160)
-    buffer = io.BytesIO()
-    image.save(buffer, 'PNG')
-    results = []
-    clients = [threading.Thread(target=lambda: results.append(post(port, buffer.getvalue())[0])) for _ in range(8)]
+    big, results = largest_png(), []
     with Peak(proc.pid) as memory:
-        for client in clients:
-            client.start()
-        for client in clients:
-            client.join()
+        at_once(8, lambda: results.append(post(port, big)[0]))
     proc.terminate()
     proc.wait(timeout=30)
     assert results == [200] * 8
@@ -343,12 +344,8 @@ def test_200_clients_sending_10_mb_each_stay_under_the_memory_bound(model_file):
         connection = http.client.HTTPConnection('127.0.0.1', port, timeout=120)
         connection.request('POST', '/predict', body=body)
         statuses.append(connection.getresponse().status)
-    clients = [threading.Thread(target=client) for _ in range(200)]
     with Peak(proc.pid) as memory:
-        for c in clients:
-            c.start()
-        for c in clients:
-            c.join()
+        at_once(200, client)
     proc.terminate()
     proc.wait(timeout=30)
     assert len(statuses) == 200 and set(statuses) <= {200, 503}, sorted(set(statuses))
@@ -368,11 +365,7 @@ def largest_png():
 def test_past_the_deadline_a_request_gets_503_or_504_and_its_work_is_dropped(model_file):
     proc, reader, port = serve(model_file, '--workers', '1', '--deadline', '0.05')
     big, statuses = largest_png(), []
-    clients = [threading.Thread(target=lambda: statuses.append(post(port, big))) for _ in range(4)]
-    for c in clients:
-        c.start()
-    for c in clients:
-        c.join()
+    at_once(4, lambda: statuses.append(post(port, big)))
     assert sorted(status for status, _ in statuses) in ([503, 503, 503, 504], [503, 503, 504, 504]), statuses
     assert all(reply['error'].startswith('the image(s) were not read within 0.05s') for _, reply in statuses)
     for _ in range(50):  # the server goes on serving, once the image begun is read (a 0.05 s deadline is short)

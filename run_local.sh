@@ -21,14 +21,16 @@
 # Examples: ./run_local.sh --epochs 1 --data-dir /path/to/mnist   (the files in /path/to/mnist/MNIST/raw)
 #           ./run_local.sh bench --data-dir /path/to/mnist
 # PYTHON picks the interpreter that makes the environments (default: python3); VENV, the environment
-# that runs the scripts (default: .venv).
+# of the newest torch (default: .venv); VENV_PAI, that of torch 2.3.1 (default: .venv-pai).
 set -euo pipefail
 cd "$(dirname "$0")"
 
-# venv FOLDER PIP-ARGS...: create FOLDER if needed and install into it once per set of requirements.
+# venv FOLDER PIP-ARGS...: create FOLDER if needed and install the requirements PIP-ARGS name into it, once
+# for each set: a stamp named after the set and its files' contents, so a command whose set was never installed
+# there (serve after a first training run, say) installs it, whatever ran before.
 venv() {
     local folder=$1; shift
-    local stamp="$folder/.installed-$(cat requirements*.txt constraints-pai.txt | cksum | cut -d' ' -f1)"
+    local stamp="$folder/.installed-$({ echo "$*"; cat requirements*.txt constraints-pai.txt; } | cksum | cut -d' ' -f1)"
     if [ ! -f "$stamp" ]; then
         [ -x "$folder/bin/python" ] || "${PYTHON:-python3}" -m venv "$folder"
         "$folder/bin/python" -m pip install --quiet --disable-pip-version-check "$@"
@@ -43,17 +45,17 @@ usage() { sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; }
 case "${1:-run}" in
 test)
     shift
-    venv .venv -r requirements-test.txt
+    venv "${VENV:-.venv}" -r requirements-test.txt
     exec "$PY" -m pytest -q -n auto tests "$@"
     ;;
 test-pai)
     shift
-    venv .venv-pai -r requirements-test.txt -c constraints-pai.txt
+    venv "${VENV_PAI:-.venv-pai}" -r requirements-test.txt -c constraints-pai.txt
     exec "$PY" -m pytest -q -n auto tests "$@"
     ;;
 bench)
     shift
-    venv .venv -r requirements.txt
+    venv "${VENV:-.venv}" -r requirements.txt
     exec "$PY" tests/benchmark.py "$@"
     ;;
 serve)
@@ -65,7 +67,7 @@ mutants)
     shift
     # Mutation testing of common.py against its unit tests, in a scratch copy (mutmut writes mutants/
     # beside the code it mutates); prints the mutants that no test kills.
-    venv .venv -r requirements-test.txt
+    venv "${VENV:-.venv}" -r requirements-test.txt
     "$PY" -m pip install --quiet --disable-pip-version-check 'mutmut>=3.8.1,<4'
     work=$(mktemp -d)
     mkdir "$work/tests"
@@ -82,12 +84,12 @@ mutants)
     ;;
 bench-digits)
     shift
-    venv .venv -r requirements.txt -r requirements-serve.txt
+    venv "${VENV:-.venv}" -r requirements.txt -r requirements-serve.txt
     exec "$PY" tests/bench_digits.py "$@"
     ;;
 bench-serve)
     shift
-    venv .venv -r requirements.txt -r requirements-serve.txt
+    venv "${VENV:-.venv}" -r requirements.txt -r requirements-serve.txt
     # Side by side with the serve.py before framing.py and its worker processes, where git has it.
     baseline=()
     if git rev-parse --quiet --verify 390c706^{commit} > /dev/null 2>&1; then baseline=(--baseline 390c706); fi
@@ -95,7 +97,7 @@ bench-serve)
     ;;
 gpu-check)
     shift
-    venv .venv -r requirements.txt
+    venv "${VENV:-.venv}" -r requirements.txt
     gpus=$(gpu_count)
     if [ "$gpus" = 0 ]; then echo "gpu-check: no CUDA GPU here" >&2; exit 1; fi
     common=(--device cuda --epochs 2 --no-resume --data-dir ./data "$@")

@@ -9,7 +9,8 @@ On your own machine (after ./run_local.sh; or ./run_local.sh serve):
 POST /predict answers {"digit": d, "probabilities": [p0, ..., p9]} for an image of any size (framing.py
 reads it as MNIST framed its digits), sent as the body (curl --data-binary @digit.png URL/predict), as a
 form upload (curl -F file=@digit.png ...) or as JSON {"image": "<base64 or data: URL>"}; several
-images in a form or as {"images": [...]} answer {"predictions": [...]}. GET /health, and GET / a page.
+images in a form or as {"images": [...]} answer {"predictions": [...]}. POST / is the same (EAS's SDK
+posts to the service's root). GET /health, and GET / a page.
 Errors are JSON: {"error": "..."} with the HTTP status. uvicorn serves, on --workers processes; it has
 no authentication: on EAS, the gateway checks the token. Limits and replies: docs/serving.md.
 """
@@ -54,7 +55,7 @@ MAX_WAITING = 256  # requests of a worker process waiting for its prediction thr
 BODY_BUDGET = 8 * MAX_BODY_BYTES  # bytes of request bodies a worker process holds at once; more wait their turn
 FORMS = ('send the image file as the body (curl --data-binary @digit.png), as a form upload (curl -F '
          'file=@digit.png), or as JSON {"image": "<base64 or data: URL>"}')
-ROUTES = {'/': ('GET', 'HEAD'), '/predict': ('POST',), '/health': ('GET', 'HEAD')}
+ROUTES = {'/': ('GET', 'HEAD', 'POST'), '/predict': ('POST',), '/health': ('GET', 'HEAD')}  # POST /: EAS's SDK
 CGROUP = '/sys/fs/cgroup'  # a Linux container's own CPU limits, where it has them
 PAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'page', 'index.html')  # GET /: try the model
 
@@ -261,10 +262,10 @@ class App:
         if method == 'OPTIONS':
             return 200, {'allow': allow}, {'allow': allow}
         if method not in ROUTES[path]:
-            raise Refused(405, f'{path} takes {ROUTES[path][0]}', allow=allow)
+            raise Refused(405, f'{path} takes {" or ".join(m for m in ROUTES[path] if m != "HEAD")}', allow=allow)
         if path == '/health':
             return 200, {'status': 'ok', 'model': self.args.model}, {}
-        if path == '/':
+        if method != 'POST':  # GET or HEAD /
             try:
                 with open(PAGE, 'rb') as f:
                     return 200, f.read(), {'content-type': 'text/html; charset=utf-8'}

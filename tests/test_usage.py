@@ -1,4 +1,4 @@
-"""What a newcomer meets first: --help, a script uploaded without common.py, run_local.sh's flags."""
+"""What a newcomer meets first: --help, a script uploaded without common.py, run_local.sh's flags and installs."""
 import re
 import shutil
 import sys
@@ -59,3 +59,38 @@ def test_the_benchmarks_run_and_print_their_figures(mnist_dir):
     _, stdout, _ = run([sys.executable, ROOT / 'tests' / 'bench_serve.py', '--data-dir', mnist_dir,
                         '--requests', '40', '--rounds', '1'])
     assert re.search(r'latency p50 \d+\.\d\d ms', stdout) and re.search(r'\d+ requests/s', stdout)
+
+
+# A stand-in for python3 and for the environment's python: it writes each command line it is given to $CALLS,
+# makes an environment as `-m venv FOLDER` (a copy of itself), and says "no GPU" to run_local.sh's torch question.
+FAKE_PYTHON = '''#!/usr/bin/env bash
+echo "$*" >> "$CALLS"
+if [ "$1 $2" = "-m venv" ]; then mkdir -p "$3/bin" && cp "$0" "$3/bin/python"; fi
+if [ "$1" = -c ]; then echo 0; fi
+'''
+NEEDS = {  # what each command must find installed in its environment, whatever ran before it
+    'run': ['-r requirements.txt'],
+    'serve': ['-r requirements.txt -r requirements-serve.txt'],
+    'test': ['-r requirements-test.txt'],
+    'bench': ['-r requirements.txt'],
+}
+
+
+@pytest.mark.parametrize('order', [('run', 'serve', 'test'), ('test', 'serve', 'run'), ('serve', 'run', 'bench'),
+                                   ('run', 'run', 'serve', 'serve')])
+def test_each_run_local_command_installs_what_it_needs_whatever_ran_before(order, tmp_path):
+    fake = tmp_path / 'python3'
+    fake.write_text(FAKE_PYTHON)
+    fake.chmod(0o755)
+    calls, installed = tmp_path / 'calls', []
+    env = script_env(PYTHON=str(fake), VENV=str(tmp_path / 'venv'), CALLS=str(calls))
+    for command in order:
+        calls.write_text('')
+        run(['bash', ROOT / 'run_local.sh', *([] if command == 'run' else [command])], env=env, timeout=60)
+        installs = [line.split('--disable-pip-version-check ')[1] for line in calls.read_text().splitlines()
+                    if line.startswith('-m pip install')]
+        assert all(need in installed + installs for need in NEEDS[command]), (command, installed, installs)
+        assert not set(installs) & set(installed), f'{command} installed a set again: {installs}'
+        installed += installs
+        assert any(line.startswith(('mnist_train', 'serve.py', '-m pytest', 'tests/benchmark.py'))
+                   for line in calls.read_text().splitlines()), f'{command} ran nothing'

@@ -1,0 +1,168 @@
+"""serve.py behind PAI-EAS as its users call it: EAS's own Python SDK (eas-prediction) through a stand-in for EAS's
+gateway, and POST / answering exactly as POST /predict."""
+import base64
+import hashlib
+import hmac
+import http.client
+import http.server
+import json
+import subprocess
+import sys
+import threading
+import uuid
+
+import pytest
+from torchvision import datasets
+
+import framing
+from conftest import ROOT, free_port, script_env, start
+from test_serve import encode, forward
+
+TOKEN = 'test-token'
+GATEWAY_MAX_BODY = 1024 * 1024  # EAS's gateway takes request bodies of at most 1 MB
+# The SDK as its users run it: its client sends each request, prints the reply (or the error) as one JSON line.
+CLIENT = '''
+import json, sys
+from eas_prediction import PredictClient, StringRequest, PredictException
+gateway, service, paths = sys.argv[1], sys.argv[2], sys.argv[3:]
+client = PredictClient(gateway, service)
+client.set_token(%r)
+client.init()
+for path in paths:
+    try:
+        reply = client.predict(StringRequest(open(path, 'rb').read()))
+        print(json.dumps({'status': 200, 'reply': json.loads(reply.response_data)}))
+    except PredictException as e:
+        print(json.dumps({'status': e.code, 'reply': json.loads(e.message)}))
+''' % TOKEN
+
+
+class Gateway(http.server.ThreadingHTTPServer):
+    """A stand-in for EAS's gateway in front of a service on port `port`: it checks the token (sent as is, or as
+    the SDK's signature), refuses bodies over 1 MB, and forwards /api/predict/<service>[/PATH] to the service's
+    /PATH (its root where there is none). .forwarded lists the paths it forwarded to."""
+
+    def __init__(self, service, port):
+        gateway, self.forwarded = self, []
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = self.rfile.read(int(self.headers.get('Content-Length', 0)))
+                prefix = f'/api/predict/{service}'
+                if self.path != prefix and not self.path.startswith(prefix + '/'):
+                    return self.reply(404, b'no such service')
+                if not gateway.authorised(self.headers, body, self.path):
+                    return self.reply(401, b'unauthorized')
+                if len(body) > GATEWAY_MAX_BODY:
+                    return self.reply(413, b'request entity too large')
+                path = self.path[len(prefix):] or '/'
+                gateway.forwarded.append(path)
+                connection = http.client.HTTPConnection('127.0.0.1', port, timeout=60)
+                connection.request('POST', path, body, {'Content-Type': self.headers.get('Content-Type', '')})
+                response = connection.getresponse()
+                self.reply(response.status, response.read())
+
+            def reply(self, status, data):
+                self.send_response(status)
+                self.send_header('Content-Length', str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args):
+                pass
+        super().__init__(('127.0.0.1', 0), Handler)
+        self.daemon_threads = True
+        self.url = f'http://127.0.0.1:{self.server_port}'
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+    @staticmethod
+    def authorised(headers, body, path):
+        """The token as is (curl -H 'Authorization: <token>'), or the SDK's HMAC of the request under it."""
+        authorization = headers.get('Authorization', '')
+        if authorization == TOKEN:
+            return True
+        signed = '\n'.join(['POST', hashlib.md5(body).hexdigest(), headers.get('Content-Type', ''),
+                            headers.get('Date', ''), path])
+        digest = hmac.new(TOKEN.encode(), signed.encode(), hashlib.sha1).digest()
+        return authorization == 'EAS ' + base64.b64encode(digest).decode()
+
+
+@pytest.fixture(scope='module')
+def sdk(tmp_path_factory):
+    """A folder holding eas-prediction and what it needs (an old protobuf, so not in the test environment)."""
+    folder = tmp_path_factory.mktemp('eas_sdk')
+    result = subprocess.run([sys.executable, '-m', 'pip', 'install', '--quiet', '--disable-pip-version-check',
+                             '--target', str(folder), 'eas-prediction>=0.30'], capture_output=True, text=True)
+    if result.returncode != 0:
+        pytest.skip(f'eas-prediction could not be installed (no package index?): {result.stderr.strip()[-300:]}')
+    return folder
+
+
+@pytest.fixture(scope='module')
+def service(model_file):
+    port = free_port()
+    proc, reader = start([sys.executable, ROOT / 'serve.py', '--model', model_file, '--port', str(port),
+                          '--workers', '1'])
+    reader.wait_for(lambda line: line.startswith('Serving'), timeout=60)
+    yield port
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+def ask_with_sdk(sdk, gateway, service_name, paths):
+    result = subprocess.run([sys.executable, '-c', CLIENT, gateway.url, service_name, *map(str, paths)],
+                            env=script_env(PYTHONPATH=str(sdk)), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    return [json.loads(line) for line in result.stdout.splitlines()]
+
+
+@pytest.mark.parametrize('service_name, path', [('mnist', '/'), ('mnist/predict', '/predict')])
+def test_eas_sdk_through_the_gateway_at_the_root_and_at_predict(sdk, service, model_file, mnist_dir, tmp_path,
+                                                                 service_name, path):
+    images = datasets.MNIST(root=mnist_dir, train=False).data[:5].numpy()
+    files = []
+    for k, image in enumerate(images):
+        files.append(tmp_path / f'{k}.png')
+        files[-1].write_bytes(encode(image))
+    (tmp_path / 'notes.txt').write_text('not an image')
+    gateway = Gateway('mnist', service)
+    try:
+        replies = ask_with_sdk(sdk, gateway, service_name, [*files, tmp_path / 'notes.txt'])
+    finally:
+        gateway.shutdown()
+    expected = forward(model_file, framing.to_tensor(encode(images[0])))[0]
+    assert replies[0]['status'] == 200 and replies[0]['reply']['digit'] == expected.argmax().item()
+    assert replies[0]['reply']['probabilities'] == pytest.approx(expected.tolist(), abs=1e-6)
+    for reply, image in zip(replies[1:5], images[1:]):
+        assert reply['reply']['digit'] == forward(model_file, framing.to_tensor(encode(image)))[0].argmax().item()
+    assert replies[5] == {'status': 400, 'reply': {'error': replies[5]['reply']['error']}}
+    assert 'not an image Pillow can read' in replies[5]['reply']['error']
+    assert gateway.forwarded == [path] * 6  # a 400 is not retried (the SDK retries only 5xx)
+
+
+def test_post_to_the_root_answers_as_predict_does(service, mnist_dir):
+    image = encode(datasets.MNIST(root=mnist_dir, train=False).data[7].numpy())
+    boundary = uuid.uuid4().hex
+    form = (f'--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="d.png"\r\n'
+            f'Content-Type: image/png\r\n\r\n').encode() + image + f'\r\n--{boundary}--\r\n'.encode()
+    bodies = [(image, 'application/octet-stream'), (form, f'multipart/form-data; boundary={boundary}'),
+              (json.dumps({'image': base64.b64encode(image).decode()}).encode(), 'application/json'),
+              (json.dumps({'images': [base64.b64encode(image).decode()] * 2}).encode(), 'application/json'),
+              (b'not an image', 'application/octet-stream')]
+    for body, content_type in bodies:
+        replies = []
+        for path in ('/', '/predict', '/?framed=1', '/predict?framed=1'):
+            connection = http.client.HTTPConnection('127.0.0.1', service, timeout=30)
+            connection.request('POST', path, body, {'Content-Type': content_type})
+            response = connection.getresponse()
+            replies.append((response.status, json.loads(response.read())))
+        assert replies[0] == replies[1] and replies[2] == replies[3], (content_type, replies)
+    assert replies[0][0] == 400
+    connection = http.client.HTTPConnection('127.0.0.1', service, timeout=30)
+    connection.request('GET', '/')
+    response = connection.getresponse()
+    assert response.status == 200 and response.getheader('Content-Type') == 'text/html; charset=utf-8'
+    assert b'<canvas' in response.read()
+    connection.request('PUT', '/', b'x')
+    response = connection.getresponse()
+    assert response.status == 405 and json.loads(response.read()) == {'error': '/ takes GET or POST'}

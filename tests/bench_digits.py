@@ -14,6 +14,8 @@ kinds, sends every image to a real serve.py over HTTP, and prints the share answ
   off-centre   light on dark, off-centre in a larger frame (PNG)
   exif         the photo stored on its side, with the EXIF orientation that turns it upright (JPEG)
   transparent  light strokes, and dark strokes, on a transparent canvas (PNG)
+  phone        the photo as a phone's 12-MP camera takes it, 4000x3000 (JPEG, 2-4 MB)
+  phone-page   that photo as the page uploads it under EAS's 1 MB cap: reduced to 1024 pixels a side (JPEG)
 With --baseline REV, the serve.py of that git revision is measured too, for comparison.
 Not part of the test suite (it needs the real MNIST files and a trained model).
 """
@@ -27,7 +29,7 @@ import random
 import tempfile
 
 import numpy as np
-from PIL import Image, ImageDraw, ImageFilter
+from PIL import Image, ImageDraw, ImageFilter, ImageOps
 
 from bench_serve import ROOT, Server, baseline_serve  # beside this file
 
@@ -93,9 +95,19 @@ def on_canvas(ink, dark=True):
     return Image.fromarray(((1 - ink if dark else ink) * 255).astype(np.uint8))
 
 
-def kinds(digit, rng):
-    """{kind: [image bytes, ...]} for one MNIST digit (a 28x28 'L' image, light on dark)."""
+def as_the_page_sends(data):
+    """A picture as page/index.html uploads one over 1 MB or 1024 pixels a side: upright, reduced to 1024 pixels
+    a side with a smooth filter, a JPEG of quality 0.92."""
+    image = ImageOps.exif_transpose(Image.open(io.BytesIO(data)))
+    image.thumbnail((1024, 1024), Image.BICUBIC)
+    return encode(image.convert('RGB'), 'JPEG', quality=92)
+
+
+def kinds(digit, rng, phone=False):
+    """{kind: [image bytes, ...]} for one MNIST digit (a 28x28 'L' image, light on dark); phone: the phone kinds
+    too (slow to make)."""
     picture = photo(digit, rng)
+    taken = encode(picture.resize((4000, 3000), Image.BICUBIC), 'JPEG', quality=90) if phone else None
     exif = Image.Exif()
     exif[0x0112] = 6  # orientation: turn 90 degrees clockwise to view
     frame = Image.new('L', (rng.randint(48, 84), rng.randint(48, 84)))
@@ -113,6 +125,7 @@ def kinds(digit, rng):
         'exif': [encode(picture.rotate(90, expand=True), 'JPEG', quality=75, exif=exif)],
         'transparent': [encode(Image.merge('RGBA', [Image.new('L', alpha.size, 255)] * 3 + [alpha])),
                         encode(Image.merge('RGBA', [Image.new('L', alpha.size, 0)] * 3 + [alpha]))],
+        **({'phone': [taken], 'phone-page': [as_the_page_sends(taken)]} if phone else {}),
     }
 
 
@@ -131,13 +144,15 @@ def main():
     parser.add_argument('--count', type=int, default=1000, help='test digits to render (default: 1000)')
     parser.add_argument('--start', type=int, default=0, help='index of the first of them (default: 0)')
     parser.add_argument('--baseline', metavar='REV', help='also measure the serve.py of this git revision')
-    parser.add_argument('--kinds', nargs='+', metavar='KIND', help='only these kinds (default: all)')
+    parser.add_argument('--kinds', nargs='+', metavar='KIND',
+                        help='only these kinds (default: all but the phone kinds, slow to make)')
     parser.add_argument('--save', metavar='DIR', help='also write the first digit of each kind there, to look at')
     args = parser.parse_args()
     from torchvision import datasets
     test_set = datasets.MNIST(root=args.data_dir, train=False)
     rng = random.Random(0)
-    samples = [(kinds(Image.fromarray(test_set.data[i].numpy()), rng), int(test_set.targets[i]))
+    phone = any(kind.startswith('phone') for kind in args.kinds or [])
+    samples = [(kinds(Image.fromarray(test_set.data[i].numpy()), rng, phone), int(test_set.targets[i]))
                for i in range(args.start, args.start + args.count)]
     if args.save:
         os.makedirs(args.save, exist_ok=True)

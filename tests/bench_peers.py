@@ -52,12 +52,14 @@ class MNIST(ls.LitAPI):
 
 if __name__ == '__main__':
     api = MNIST(max_batch_size=16, batch_timeout=0.005)
-    ls.LitServer(api, accelerator='cpu', workers_per_device=os.cpu_count(), fast_queue=True).run(port={port})
+    ls.LitServer(api, accelerator='cpu', workers_per_device=os.cpu_count(), fast_queue=True).run(
+        port={port}, generate_client_file=False)
 '''
 
 
 def start(command, port):
-    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # In a folder of its own: nothing a server writes where it runs lands in the project
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=tempfile.gettempdir())
     for _ in range(600):  # ready when it answers
         try:
             import http.client
@@ -102,7 +104,7 @@ def main():
     parser.add_argument('--requests', type=int, default=4000, help='requests in each part (default: 4000)')
     parser.add_argument('--rounds', type=int, default=2, help='rounds, alternating servers (default: 2)')
     args = parser.parse_args()
-    model = model_or_fresh(args.model)
+    model = os.path.abspath(model_or_fresh(args.model))  # the servers run in a folder of their own
     bodies = [json.dumps({'image': base64.b64encode(png).decode()}).encode() for png in pngs(args.data_dir, 100)]
     app = os.path.join(tempfile.mkdtemp(), 'litserve_app.py')
     with open(app, 'w') as f:

@@ -155,3 +155,6 @@ def test_ci_runs_the_readmes_test_commands_with_room_for_one_environment():
     assert commands == ['./run_local.sh test', 'rm -rf .venv', './run_local.sh test-pai'], commands
     assert all(f'`{command}`' in readme for command in commands[::2])
     assert 'it removes `.venv` between the two' in readme
+    lines = (ROOT / '.ci' / 'run').read_text().splitlines()
+    for leg in ('./run_local.sh test', './run_local.sh test-pai'):  # then checks that the suite left no file
+        assert lines[lines.index(leg) + 1] == 'tree_is_clean', leg

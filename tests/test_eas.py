@@ -39,31 +39,39 @@ for path in paths:
 
 class Gateway(http.server.ThreadingHTTPServer):
     """A stand-in for EAS's gateway in front of a service on port `port`: it checks the token (sent as is, or as
-    the SDK's signature), refuses bodies over 1 MB, and forwards /api/predict/<service>[/PATH] to the service's
-    /PATH (its root where there is none). .forwarded lists the paths it forwarded to."""
+    the SDK's signature; token None: no check, as a browser extension adding the header would pass), refuses
+    bodies over 1 MB, and forwards /api/predict/<service>[/PATH] to the service's /PATH (its root where there is
+    none). .forwarded lists (method, path, body size) of each request it forwarded."""
 
-    def __init__(self, service, port):
+    def __init__(self, service, port, token=TOKEN):
         gateway, self.forwarded = self, []
 
         class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                self.forward(b'')
+
             def do_POST(self):
-                body = self.rfile.read(int(self.headers.get('Content-Length', 0)))
+                self.forward(self.rfile.read(int(self.headers.get('Content-Length', 0))))
+
+            def forward(self, body):
                 prefix = f'/api/predict/{service}'
-                if self.path != prefix and not self.path.startswith(prefix + '/'):
+                if self.path != prefix and not self.path.startswith((prefix + '/', prefix + '?')):
                     return self.reply(404, b'no such service')
-                if not gateway.authorised(self.headers, body, self.path):
+                if token is not None and not authorised(self.headers, body, self.path.split('?')[0], token):
                     return self.reply(401, b'unauthorized')
                 if len(body) > GATEWAY_MAX_BODY:
                     return self.reply(413, b'request entity too large')
-                path = self.path[len(prefix):] or '/'
-                gateway.forwarded.append(path)
+                path = '/' + self.path[len(prefix):].lstrip('/')
+                gateway.forwarded.append((self.command, path, len(body)))
                 connection = http.client.HTTPConnection('127.0.0.1', port, timeout=60)
-                connection.request('POST', path, body, {'Content-Type': self.headers.get('Content-Type', '')})
+                headers = {'Content-Type': self.headers['Content-Type']} if self.headers['Content-Type'] else {}
+                connection.request(self.command, path, body if self.command == 'POST' else None, headers)
                 response = connection.getresponse()
-                self.reply(response.status, response.read())
+                self.reply(response.status, response.read(), response.getheader('Content-Type'))
 
-            def reply(self, status, data):
+            def reply(self, status, data, content_type='text/plain'):
                 self.send_response(status)
+                self.send_header('Content-Type', content_type)
                 self.send_header('Content-Length', str(len(data)))
                 self.end_headers()
                 self.wfile.write(data)
@@ -75,16 +83,20 @@ class Gateway(http.server.ThreadingHTTPServer):
         self.url = f'http://127.0.0.1:{self.server_port}'
         threading.Thread(target=self.serve_forever, daemon=True).start()
 
-    @staticmethod
-    def authorised(headers, body, path):
-        """The token as is (curl -H 'Authorization: <token>'), or the SDK's HMAC of the request under it."""
-        authorization = headers.get('Authorization', '')
-        if authorization == TOKEN:
-            return True
-        signed = '\n'.join(['POST', hashlib.md5(body).hexdigest(), headers.get('Content-Type', ''),
-                            headers.get('Date', ''), path])
-        digest = hmac.new(TOKEN.encode(), signed.encode(), hashlib.sha1).digest()
-        return authorization == 'EAS ' + base64.b64encode(digest).decode()
+    def close(self):
+        self.shutdown()
+        self.server_close()
+
+
+def authorised(headers, body, resource, token):
+    """The token as is (curl -H 'Authorization: <token>'), or the SDK's HMAC of the request under it."""
+    authorization = headers.get('Authorization', '')
+    if authorization == token:
+        return True
+    signed = '\n'.join(['POST', hashlib.md5(body).hexdigest(), headers.get('Content-Type', ''),
+                        headers.get('Date', ''), resource])
+    digest = hmac.new(token.encode(), signed.encode(), hashlib.sha1).digest()
+    return authorization == 'EAS ' + base64.b64encode(digest).decode()
 
 
 @pytest.fixture(scope='module')
@@ -129,7 +141,7 @@ def test_eas_sdk_through_the_gateway_at_the_root_and_at_predict(sdk, service, mo
     try:
         replies = ask_with_sdk(sdk, gateway, service_name, [*files, tmp_path / 'notes.txt'])
     finally:
-        gateway.shutdown()
+        gateway.close()
     expected = forward(model_file, framing.to_tensor(encode(images[0])))[0]
     assert replies[0]['status'] == 200 and replies[0]['reply']['digit'] == expected.argmax().item()
     assert replies[0]['reply']['probabilities'] == pytest.approx(expected.tolist(), abs=1e-6)
@@ -137,7 +149,7 @@ def test_eas_sdk_through_the_gateway_at_the_root_and_at_predict(sdk, service, mo
         assert reply['reply']['digit'] == forward(model_file, framing.to_tensor(encode(image)))[0].argmax().item()
     assert replies[5] == {'status': 400, 'reply': {'error': replies[5]['reply']['error']}}
     assert 'not an image Pillow can read' in replies[5]['reply']['error']
-    assert gateway.forwarded == [path] * 6  # a 400 is not retried (the SDK retries only 5xx)
+    assert [path for _, path, _ in gateway.forwarded] == [path] * 6  # a 400 is not retried (the SDK retries only 5xx)
 
 
 def test_post_to_the_root_answers_as_predict_does(service, mnist_dir):

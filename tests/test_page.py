@@ -159,6 +159,36 @@ def test_uploading_a_file_shows_its_digit_and_a_blank_one_says_why(page, tmp_pat
         page.save_screenshot(os.environ['PAGE_SCREENSHOT'])
 
 
+def phone_photo(digit, rng):
+    """A 4000x3000 JPEG of a digit drawn large on grainy paper, as a phone takes it: several MB."""
+    image = Image.new('L', (4000, 3000), 235)
+    SHAPES[digit](ImageDraw.Draw(image), (1500, 700, 2300, 2300), 90)
+    grain = Image.effect_noise((4000, 3000), 24)
+    image = Image.blend(image, grain, 0.15)
+    buffer = io.BytesIO()
+    image.convert('RGB').save(buffer, 'JPEG', quality=95)
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize('digit', [7, 0])
+def test_a_phone_photo_reaches_the_model_through_eas_s_1_mb_gateway(page, tmp_path, digit):
+    from test_eas import GATEWAY_MAX_BODY, Gateway
+    path = tmp_path / 'photo.jpg'
+    path.write_bytes(phone_photo(digit, random.Random(digit)))
+    assert path.stat().st_size > 2 * GATEWAY_MAX_BODY
+    home = page.current_url  # the service itself, where the other tests find the page
+    gateway = Gateway('mnist', int(home.split(':')[2].strip('/')), token=None)
+    try:
+        page.get(f'{gateway.url}/api/predict/mnist/')
+        page.find_element('id', 'file').send_keys(str(path))
+        assert shown(page, digit) == str(digit), page.find_element('id', 'status').text
+        posts = [size for method, _, size in gateway.forwarded if method == 'POST']
+        assert len(posts) == 1 and 0 < posts[0] <= GATEWAY_MAX_BODY, gateway.forwarded
+    finally:
+        page.get(home)
+        gateway.close()
+
+
 def test_the_page_needs_nothing_from_outside(page):
     html = (ROOT / 'page' / 'index.html').read_text()
     assert 'http://' not in html.replace('http://127', '') and 'https://' not in html and '//cdn' not in html

@@ -15,10 +15,12 @@ import argparse
 import contextlib
 import json
 import os
+import pickle
 import re
 import signal
 import socket
 import sys
+import threading
 import time
 from datetime import timedelta
 
@@ -69,13 +71,19 @@ def parse_args():
                         help='process-group backend (default: nccl on cuda, gloo on cpu)')
     parser.add_argument('--join-timeout', type=common.positive(float), default=1800,
                         help='seconds to wait for every process of the job to start and connect (default: 1800)')
+    parser.add_argument('--collective-timeout', type=common.positive(float), default=300,
+                        help='seconds a step may wait for the other processes (an epoch takes seconds) before the '
+                             'job stops, naming the one that stopped answering (default: 300)')
     parser.add_argument('--no-resume', action='store_true',
                         help='ignore <output-dir>/checkpoint.pth and start from epoch 0 (default: resume)')
     parser.add_argument('--debug', action='store_true', help='show tracebacks for set-up errors (default: off)')
     return parser.parse_args()
 
 
-job_store = None  # the job's key-value store, once joined: a surviving rank asks it who is gone
+job_store = None  # the job's key-value store, once joined: set-up waits go through it; a survivor asks who is gone
+agent_store = None  # torchrun's own store, where it has one: it outlives this attempt's processes
+setup_step = 0  # on_ranks' calls, the same on every rank: each has keys of its own in the store
+SETUP_TIMEOUT = timedelta(minutes=30)  # a set-up wait (rank 0's download) is for work, not for a peer
 
 
 def ddp_setup(args):
@@ -94,8 +102,11 @@ def ddp_setup(args):
         device = torch.device('cuda', local_rank)
     else:
         device = torch.device('cpu')
-    store = join(rank, world_size, device, args.join_timeout) if launched else dist.HashStore()
-    dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size)
+    store = join(rank, world_size, device, args) if launched else dist.HashStore()
+    # Training's collectives wait --collective-timeout for a peer, on gloo and NCCL alike (their own defaults:
+    # 30 and 10 minutes); the set-up's waits go through the store, with SETUP_TIMEOUT (on_ranks).
+    dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=args.collective_timeout))
     print(f'Rank {rank}/{world_size} (local rank {local_rank}, pid {os.getpid()}) on {device} with {backend}')
     return rank, world_size, local_rank, device
 
@@ -126,9 +137,9 @@ def read_environment():
     return rank, world_size, local_rank, True
 
 
-def join(rank, world_size, device, timeout):
+def join(rank, world_size, device, args):
     """Meet the other ranks at MASTER_ADDR:MASTER_PORT, saying so, and check one GPU per process; return the store."""
-    address = f'{os.environ["MASTER_ADDR"]}:{os.environ["MASTER_PORT"]}'
+    address, timeout = f'{os.environ["MASTER_ADDR"]}:{os.environ["MASTER_PORT"]}', args.join_timeout
     print(f'Joining the job at {address} as rank {rank} of {world_size} (waiting up to {timeout:.0f}s for all ranks)')
     # torchrun's agent hosts the store where it says so; otherwise rank 0 does, at MASTER_ADDR:MASTER_PORT.
     is_master = rank == 0 and os.environ.get('TORCHELASTIC_USE_AGENT_STORE') != 'True'
@@ -146,30 +157,66 @@ def join(rank, world_size, device, timeout):
             time.sleep(0.2)
     store = dist.TCPStore(os.environ['MASTER_ADDR'], int(os.environ['MASTER_PORT']), world_size, is_master=is_master,
                           timeout=timedelta(seconds=max(1.0, deadline - time.monotonic())), wait_for_workers=False)
+    hang = None
     if os.environ.get('TORCHELASTIC_USE_AGENT_STORE') == 'True':
-        store = attempt_store(store, rank, world_size, timeout)
-    gpu = 'cpu'
-    if device.type == 'cuda':  # torch 2.3 has no uuid: then the GPU's place among the visible ones
-        gpu = str(getattr(torch.cuda.get_device_properties(device), 'uuid', '') or
-                  f'{device} of CUDA_VISIBLE_DEVICES={os.environ.get("CUDA_VISIBLE_DEVICES", "all")}')
-    store.set(f'joined/{rank}', f'{socket.gethostname()} {gpu}')
+        global agent_store
+        agent_store, hang = store, last_hang(store)
+        if hang:  # a stuck peer does not come back by itself: wait for it as long as a step would, no longer
+            timeout = min(timeout, args.collective_timeout)
+            deadline = min(deadline, time.monotonic() + timeout)
+            print(f'The last attempt stopped because {hang}: waiting {timeout:.0f}s (--collective-timeout) for it '
+                  f'to join again.')
+        store = attempt_store(store, rank, world_size, max(1.0, deadline - time.monotonic()))
     keys = [f'joined/{r}' for r in range(world_size)]
-    while not store.check(keys):  # polled, not store.wait(): its timeout logs C++ warnings on newer torch
-        if time.monotonic() >= deadline:
-            absent = [r for r in range(world_size) if not store.check([keys[r]])]
-            raise common.SetupError(f'rank{"s" if len(absent) > 1 else ""} {", ".join(map(str, absent))} of '
-                                    f'{world_size} did not join the job at {address} within {timeout:.0f}s. Check that '
-                                    f'every node started with the same MASTER_ADDR, MASTER_PORT and WORLD_SIZE; '
-                                    f'--join-timeout sets the wait.')
-        time.sleep(0.1)
-    store.set_timeout(timedelta(minutes=30))  # from here on, waits are for work (a download), not for ranks
+    if store is not None:
+        store.set(keys[rank], f'{socket.gethostname()} {gpu_name(device)}')
+    absent = absent_ranks(store, keys, deadline)
+    if absent:
+        reason = (f'It stopped answering in the last attempt ({hang}) and is still stuck: look at that node, then '
+                  f'start the job again (on DLC, from the console); it resumes from its checkpoint.' if hang else
+                  'Check that every node started with the same MASTER_ADDR, MASTER_PORT and WORLD_SIZE; '
+                  '--join-timeout sets the wait.')
+        raise common.SetupError(f'rank{"s" if len(absent) > 1 else ""} {", ".join(map(str, absent))} of '
+                                f'{world_size} did not join the job at {address} within {timeout:.0f}s. {reason}')
+    store.set_timeout(SETUP_TIMEOUT)  # from here on, waits are for work (a download), not for ranks
     global job_store
     job_store = store
+    if hang and rank == 0:
+        agent_store.delete_key('mnist/hang')  # every rank is back: a later restart waits --join-timeout again
     if device.type == 'cuda':
         message = shared_gpus([store.get(key).decode() for key in keys])
         if message:
             raise common.SetupError(message)
     return store
+
+
+def absent_ranks(store, keys, deadline):
+    """Wait until every rank has set its key; the ranks that have not by the deadline ([0] where rank 0 started
+    no store for this attempt)."""
+    if store is None:
+        return [0]
+    while not store.check(keys):  # polled, not store.wait(): its timeout logs C++ warnings on newer torch
+        if time.monotonic() >= deadline:
+            return [r for r, key in enumerate(keys) if not store.check([key])]
+        time.sleep(0.1)
+    return []
+
+
+def gpu_name(device):
+    """What tells this process's GPU from the others of its host: its uuid (torch 2.3 has none: its place among
+    the visible ones); 'cpu' on the CPU."""
+    if device.type != 'cuda':
+        return 'cpu'
+    return str(getattr(torch.cuda.get_device_properties(device), 'uuid', '') or
+               f'{device} of CUDA_VISIBLE_DEVICES={os.environ.get("CUDA_VISIBLE_DEVICES", "all")}')
+
+
+def last_hang(agent_store):
+    """Which ranks stopped answering in the last attempt of this job, and where, as recorded in torchrun's store
+    by the rank that waited for them (peer_lost); None if none did."""
+    if not agent_store.check(['mnist/hang']):
+        return None
+    return agent_store.get('mnist/hang').decode()
 
 
 def attempt_store(agent_store, rank, world_size, timeout):
@@ -189,18 +236,23 @@ def attempt_store(agent_store, rank, world_size, timeout):
         agent_store.set('mnist/attempt_store_port', str(store.port))
         return store
     deadline = time.monotonic() + timeout
-    while True:
+    while time.monotonic() < deadline:
         port = int(agent_store.get('mnist/attempt_store_port'))  # waits, within the timeout, for a first one
-        try:
-            socket.create_connection((host, port), timeout=5).close()  # quietly, before TCPStore's noisy retries
-            store = dist.TCPStore(host, port, world_size, is_master=False, timeout=timedelta(seconds=timeout))
-            if store.add('arrivals', 1) <= world_size:
-                return store
-        except (OSError, RuntimeError):  # a dead attempt's port, or its rank 0 exiting now
-            pass
-        if time.monotonic() > deadline:
-            raise RuntimeError(f'no store of this attempt at {host} within {timeout:.0f}s')
+        found = []
+
+        def connect():  # on a thread: the store of a stuck rank 0 accepts connections and never answers
+            with contextlib.suppress(OSError, RuntimeError):  # a dead attempt's port, or its rank 0 exiting now
+                socket.create_connection((host, port), timeout=5).close()  # quietly, before TCPStore's noisy retries
+                store = dist.TCPStore(host, port, world_size, is_master=False, timeout=timedelta(seconds=timeout))
+                if store.add('arrivals', 1) <= world_size:
+                    found.append(store)
+        thread = threading.Thread(target=connect, daemon=True)
+        thread.start()
+        thread.join(max(0.1, min(10.0, deadline - time.monotonic())))
+        if found:
+            return found[0]
         time.sleep(0.2)
+    return None  # rank 0 has not started this attempt's store
 
 
 def shared_gpus(placements):
@@ -216,52 +268,99 @@ def shared_gpus(placements):
             f'most the GPUs of each node, and each node of the job on a host of its own.')
 
 
-def peer_lost(error, epoch, rank, world_size):
-    """The paragraph a surviving rank stops with when a collective fails: which ranks are gone, and what next."""
+def peer_lost(error, epoch, rank, world_size, timeout):
+    """The paragraph a surviving rank stops with when a collective fails: which ranks are gone, or stopped
+    answering (hung: a collective waited `timeout` seconds for them), where, and what next."""
     cause = re.sub(r'^\[[^]]*\] ', '', str(error).splitlines()[0]).split('. ')[0][:160]  # less the source file
     if job_store is None or not re.search(r'onnect|peer|NCCL|[Tt]imed out|closed', cause):
         return error  # not a lost peer: the traceback says what it is
-    try:  # the ranks still here say so; the others are gone
-        time.sleep(1)  # a lost store's host has closed its port by now: asked quietly, not through the store
-        socket.create_connection((job_store.host, job_store.port), timeout=5).close()
-        job_store.set(f'alive/{epoch}/{rank}', '1')
-        time.sleep(2)
-        gone = [r for r in range(world_size) if not job_store.check([f'alive/{epoch}/{r}'])]
-    except Exception:  # the store went with rank 0, its host
-        gone = [0]
+    missing, hosts = silent_ranks(epoch, rank, world_size)
+    ranks = f'rank{"s" * (len(missing) > 1)} {", ".join(map(str, missing)) or "?"} of {world_size}'
+    restarts_left = int(os.environ.get('TORCHELASTIC_MAX_RESTARTS', 0)) > int(os.environ.get(
+        'TORCHELASTIC_RESTART_COUNT', 0))
+    if not re.search(r'[Tt]imed out|[Tt]imeout', cause):  # its connection closed: the process is gone
+        return common.SetupError(
+            f'rank {rank} lost {ranks} during epoch {epoch} ({cause}): its process or node is gone. A torchrun '
+            f'started with --max-restarts restarts the job now; otherwise start the same command again on every '
+            f'node. Either resumes from epoch {epoch}.')
+    hang = f'{ranks} on {", ".join(sorted(set(hosts))) or "?"} stopped answering during epoch {epoch}'
+    if agent_store is not None and restarts_left:
+        with contextlib.suppress(Exception):  # for the next attempt's wait (join); torchrun's agent keeps it
+            agent_store.set('mnist/hang', hang)
+    then = (f'torchrun restarts this node\'s processes now; they wait {timeout:g}s for it to join again, and the job '
+            f'ends if it does not' if restarts_left and agent_store is not None else 'this process stops now')
     return common.SetupError(
-        f'rank {rank} lost rank{"s" * (len(gone) > 1)} {", ".join(map(str, gone)) or "?"} of {world_size} during '
-        f'epoch {epoch} ({cause}): its process or node is gone. A torchrun started with --max-restarts restarts '
-        f'the job now; otherwise start the same command again on every node. Either resumes from epoch {epoch}.')
+        f'rank {rank} waited {timeout:g}s for {ranks} ({", ".join(hosts) or "host unknown"}) during epoch {epoch} '
+        f'({cause}): it stopped answering, but its process may still be alive and stuck (a hung data mount or disk, a '
+        f'frozen GPU, a network that drops packets, a stopped process): look at that node. Then {then}. Once it is '
+        f'healthy, start the job again (on DLC, from the console; otherwise the same command on every node): it '
+        f'resumes from epoch {epoch}.')
+
+
+def silent_ranks(epoch, rank, world_size):
+    """The ranks that do not say they are alive on the job's store within a few seconds, and their hosts. When the
+    store itself does not answer, its host is the silent one: rank 0."""
+    answer = []
+
+    def ask():  # on a thread: the store of a stuck rank 0 accepts connections and never answers
+        with contextlib.suppress(Exception):  # the store went with rank 0, its host
+            socket.create_connection((job_store.host, job_store.port), timeout=5).close()  # quietly, first
+            job_store.set(f'alive/{epoch}/{rank}', '1')
+            time.sleep(2)
+            missing = [r for r in range(world_size) if not job_store.check([f'alive/{epoch}/{r}'])]
+            answer.append((missing, [job_store.get(f'joined/{r}').decode().split()[0] for r in missing]))
+    time.sleep(1)  # a lost store's host has closed its port by now
+    thread = threading.Thread(target=ask, daemon=True)
+    thread.start()
+    thread.join(15)
+    return answer[0] if answer else ([0], [job_store.host])
 
 
 @contextlib.contextmanager
-def peers_watched(epoch, rank, world_size):
+def peers_watched(epoch, rank, world_size, timeout):
     """Turn a failed collective (RuntimeError, DistBackendError too) into peer_lost's paragraph."""
     try:
         yield
     except RuntimeError as e:
-        raise peer_lost(e, epoch, rank, world_size) from None
+        raise peer_lost(e, epoch, rank, world_size, timeout) from None
 
 
 def on_ranks(selected, fn, *args):
-    """fn(*args) on the selected ranks while the others wait; rank 0's result for all, or everyone raises."""
+    """fn(*args) on the selected ranks while the others wait; rank 0's result for all, or everyone raises.
+    The wait goes through the job's store, with SETUP_TIMEOUT: a download slower than --collective-timeout, or
+    than NCCL's watchdog, is no lost peer."""
     result, error = None, None
     if selected:
         try:
             result = fn(*args)
         except Exception as e:
             error = e
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (result, None if error is None else str(error)))
+    if job_store is None:  # a world of one
+        if error is not None:
+            raise error
+        return result
+    global setup_step
+    setup_step += 1
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    keys = [f'setup/{setup_step}/{r}' for r in range(world_size)]
+    job_store.set(keys[rank], pickle.dumps((result if rank == 0 else None, None if error is None else str(error))))
+    deadline = time.monotonic() + SETUP_TIMEOUT.total_seconds()
+    while not job_store.check(keys) and time.monotonic() < deadline:  # polled: see join
+        time.sleep(0.05)
+    replies = [pickle.loads(job_store.get(key)) for key in keys]  # TimeoutError past SETUP_TIMEOUT
+    # The store may live in rank 0's process: it ends only once every rank has read the replies.
+    read = job_store.add(f'setup/{setup_step}/read', 1)
+    while rank == 0 and read < world_size and any(message for _, message in replies) and time.monotonic() < deadline:
+        time.sleep(0.05)
+        read = job_store.add(f'setup/{setup_step}/read', 0)
     if error is not None:
         raise error
-    for rank, (_, message) in enumerate(gathered):
+    for r, (_, message) in enumerate(replies):
         if message is not None:
-            error = common.SetupError(f'rank {rank} failed during set-up: {message}')
-            error.origin = rank  # another rank's failure, not this one's
+            error = common.SetupError(f'rank {r} failed during set-up: {message}')
+            error.origin = r  # another rank's failure, not this one's
             raise error
-    return gathered[0][0]
+    return replies[0][0]
 
 
 def report_failure(error):
@@ -369,7 +468,7 @@ def main(args):
     for epoch in range(start_epoch, num_epochs):
         epoch_start = time.perf_counter()
         train_sampler.set_epoch(epoch)  # a new order each epoch, the same one after a restart
-        with peers_watched(epoch, rank, world_size):  # a failed collective: which rank is gone, in one paragraph
+        with peers_watched(epoch, rank, world_size, args.collective_timeout):  # a failed collective: which rank is gone, in one paragraph
             train(model, train_loader, optimizer, criterion, epoch, device, writer, args.log_interval, rank, local_rank, world_size)
             val_loss, val_accuracy = validate(model, val_loader, criterion, device, writer, epoch, rank)
         if rank != 0:

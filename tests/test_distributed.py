@@ -7,6 +7,7 @@ downloads the data (a second node with its own disk has none).
 import os
 import re
 import signal
+import socket
 import time
 
 import pytest
@@ -99,6 +100,24 @@ def test_two_nodes_with_local_disks_each_get_the_data(mirror, tmp_path):
     assert mirror.downloads() == {name: 2 for name in FILES}, 'each node downloads its own copy'
     for disk in node_disks:
         assert sorted(p.name for p in (disk / 'MNIST' / 'raw').iterdir()) == sorted(FILES)
+
+
+def test_a_download_slower_than_the_collective_timeout_is_no_lost_peer(mnist_dir, tmp_path):
+    # The other ranks wait for rank 0's download through the store, not a collective: a 1 s collective timeout
+    # does not end a download of several seconds (under NCCL, the watchdog's 10 minutes would not either).
+    slow = Mirror(gz_files(mnist_dir), delay=0.01)  # 2 KiB each 10 ms: about 4 s for the four files
+    try:
+        out, port = tmp_path / 'out', free_port()
+        proc, reader = start(torchrun('--nnodes=1', '--node_rank=0', '--master_addr=127.0.0.1',
+                                      f'--master_port={port}', '--nproc_per_node=2', SCRIPT, '--data-dir',
+                                      tmp_path / 'data', '--output-dir', out, '--epochs', '1', '--collective-timeout',
+                                      '1', *FAST), env=script_env(MNIST_MIRROR=slow.url, no_proxy='127.0.0.1'))
+        output = reader.rest(timeout=180)
+        assert proc.returncode == 0, output
+        assert slow.downloads() == {name: 1 for name in FILES}
+        check_result(output, out, epochs=1, world_size=2)
+    finally:
+        slow.close()
 
 
 def test_a_node_without_data_stops_every_rank_with_the_reason(mnist_dir, tmp_path):
@@ -225,6 +244,42 @@ def test_two_nodes_restart_once_whichever_worker_dies(rendezvous, victim, mnist_
     assert lost in ([], [str(victim)]), outputs
     if rendezvous == 'static':
         assert lost == [str(victim)], 'the static rendezvous restarts only when the survivor fails too'
+
+
+@pytest.mark.parametrize('victim', [1, 0])
+def test_a_hung_peer_is_named_as_hung_and_the_job_ends_within_two_collective_timeouts(victim, mnist_big_dir,
+                                                                                       tmp_path):
+    # DLC's static form, two launchers, --max-restarts=1; one rank's process stopped (SIGSTOP) mid-epoch, as a
+    # stuck disk or a frozen GPU would leave it. A --join-timeout of 600 s would outlast the test: the job must
+    # end on --collective-timeout (8 s) alone, twice: the survivor's wait, then its restart's.
+    port, survivor = free_port(), 1 - victim
+    nodes = [start(torchrun('--nproc_per_node=1', '--nnodes=2', f'--node_rank={node}', '--master_addr=127.0.0.1',
+                            f'--master_port={port}', '--max-restarts=1', SCRIPT, '--data-dir', mnist_big_dir,
+                            '--output-dir', tmp_path / 'out', '--epochs', '3', '--log-interval', '20',
+                            '--collective-timeout', '8', '--join-timeout', '600')) for node in (0, 1)]
+    readers = [reader for _, reader in nodes]
+    pid = int(wait_in(readers, rf'^Rank {victim}/2 \(local rank 0, pid (\d+)\)').group(1))
+    wait_in(readers, rf'^Rank: {victim}, Local_Rank: 0 -- Train Epoch: 1 \[0/')
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        output = readers[survivor].rest(timeout=150)
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        nodes[victim][0].terminate()
+        readers[victim].rest(timeout=60)
+    host = socket.gethostname() if victim == 1 else '127.0.0.1'  # a stuck rank 0: its store's address
+    paragraph = re.search(rf'^error: rank {survivor} waited 8s for rank {victim} of 2 \({re.escape(host)}\) during '
+                          rf'epoch 1 \(.*\): it stopped answering, but its process may still be alive and stuck .*: '
+                          rf'look at that node\. Then torchrun restarts this node\'s processes now; they wait 8s for it '
+                          rf'to join again, and the job ends if it does not\..* it resumes from epoch 1\.$', output, re.M)
+    assert paragraph, output
+    assert f'The last attempt stopped because rank {victim} of 2 on {host} stopped answering during epoch 1: ' \
+           f'waiting 8s (--collective-timeout) for it to join again.' in output
+    rank, message = torchrun_report(output)['root']
+    assert rank == survivor and message.startswith(
+        f'error: rank {victim} of 2 did not join the job at 127.0.0.1:{port} within 8s. It stopped answering in '
+        f'the last attempt (rank {victim} of 2 on {host} stopped answering during epoch 1) and is still stuck'), output
+    assert nodes[survivor][0].returncode != 0 and 'its process or node is gone' not in output
 
 
 # --- Other launchers: plain python per node (Kubeflow, DLC), SLURM; waiting for the others ----------

@@ -4,7 +4,8 @@
 #   ./run_local.sh [SCRIPT FLAGS]      train with mnist_train.py, then a torchrun job of
 #                                      mnist_train_distributed.py (2 CPU processes, or one per GPU);
 #                                      defaults: --epochs 3 --data-dir ./data, outputs in ./output;
-#                                      --backend and --join-timeout go to the distributed one only;
+#                                      --backend, --join-timeout and --collective-timeout go to the
+#                                      distributed one only;
 #                                      --output-dir DIR: DIR/single and DIR/distributed
 #   ./run_local.sh test [PYTEST ARGS]  the test suite, newest torch (.venv)
 #   ./run_local.sh test-pai [...]      the test suite on the PAI image's torch 2.3.1 (.venv-pai)
@@ -117,8 +118,8 @@ run | -*)
     shared=() distributed_only=() out=./output
     while [ $# -gt 0 ]; do
         case "$1" in
-        --backend=* | --join-timeout=*) distributed_only+=("$1") ;;
-        --backend | --join-timeout) distributed_only+=("$1" "${2:-}"); shift ;;
+        --backend=* | --join-timeout=* | --collective-timeout=*) distributed_only+=("$1") ;;
+        --backend | --join-timeout | --collective-timeout) distributed_only+=("$1" "${2:-}"); shift ;;
         --output-dir=*) out=${1#--output-dir=} ;;
         --output-dir) out=${2:-}; shift ;;
         *) shared+=("$1") ;;

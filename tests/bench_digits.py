@@ -95,15 +95,15 @@ def on_canvas(ink, dark=True):
     return Image.fromarray(((1 - ink if dark else ink) * 255).astype(np.uint8))
 
 
-def as_the_page_sends(data):
+def as_the_page_sends(data, side=1024):
     """A picture as page/index.html uploads one over 1 MB or 1024 pixels a side: upright, reduced to 1024 pixels
-    a side with a smooth filter, a JPEG of quality 0.92."""
+    a side (side: another size, to compare) with a smooth filter, a JPEG of quality 0.92."""
     image = ImageOps.exif_transpose(Image.open(io.BytesIO(data)))
-    image.thumbnail((1024, 1024), Image.BICUBIC)
+    image.thumbnail((side, side), Image.BICUBIC)
     return encode(image.convert('RGB'), 'JPEG', quality=92)
 
 
-def kinds(digit, rng, phone=False):
+def kinds(digit, rng, phone=False, page_side=1024):
     """{kind: [image bytes, ...]} for one MNIST digit (a 28x28 'L' image, light on dark); phone: the phone kinds
     too (slow to make)."""
     picture = photo(digit, rng)
@@ -125,7 +125,7 @@ def kinds(digit, rng, phone=False):
         'exif': [encode(picture.rotate(90, expand=True), 'JPEG', quality=75, exif=exif)],
         'transparent': [encode(Image.merge('RGBA', [Image.new('L', alpha.size, 255)] * 3 + [alpha])),
                         encode(Image.merge('RGBA', [Image.new('L', alpha.size, 0)] * 3 + [alpha]))],
-        **({'phone': [taken], 'phone-page': [as_the_page_sends(taken)]} if phone else {}),
+        **({'phone': [taken], 'phone-page': [as_the_page_sends(taken, page_side)]} if phone else {}),
     }
 
 
@@ -146,13 +146,15 @@ def main():
     parser.add_argument('--baseline', metavar='REV', help='also measure the serve.py of this git revision')
     parser.add_argument('--kinds', nargs='+', metavar='KIND',
                         help='only these kinds (default: all but the phone kinds, slow to make)')
+    parser.add_argument('--page-side', type=int, default=1024,
+                        help='pixels a side of phone-page, the page reduces to 1024 (default: %(default)s)')
     parser.add_argument('--save', metavar='DIR', help='also write the first digit of each kind there, to look at')
     args = parser.parse_args()
     from torchvision import datasets
     test_set = datasets.MNIST(root=args.data_dir, train=False)
     rng = random.Random(0)
     phone = any(kind.startswith('phone') for kind in args.kinds or [])
-    samples = [(kinds(Image.fromarray(test_set.data[i].numpy()), rng, phone), int(test_set.targets[i]))
+    samples = [(kinds(Image.fromarray(test_set.data[i].numpy()), rng, phone, args.page_side), int(test_set.targets[i]))
                for i in range(args.start, args.start + args.count)]
     if args.save:
         os.makedirs(args.save, exist_ok=True)

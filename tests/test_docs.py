@@ -108,7 +108,7 @@ def test_the_flags_table_names_each_flag_with_its_default(module_name, monkeypat
     monkeypatch.setattr(sys, 'argv', [module_name])
     defaults = vars(script.parse_args())
     documented = readme_flags()
-    distributed_only = {'--backend', '--join-timeout'}
+    distributed_only = {'--backend', '--join-timeout', '--collective-timeout'}
     for flag in ['--' + name.replace('_', '-') for name in defaults]:
         assert flag in documented, f'{flag} of {module_name} is not in the README'
     for flag, default in documented.items():
@@ -158,3 +158,43 @@ def test_ci_runs_the_readmes_test_commands_with_room_for_one_environment():
     lines = (ROOT / '.ci' / 'run').read_text().splitlines()
     for leg in ('./run_local.sh test', './run_local.sh test-pai'):  # then checks that the suite left no file
         assert lines[lines.index(leg) + 1] == 'tree_is_clean', leg
+
+
+def refusals():
+    """(status, closes the connection) of every Refused(...) serve.py raises."""
+    found = set()
+    for node in ast.walk(ast.parse((ROOT / 'serve.py').read_text())):
+        if isinstance(node, ast.Call) and getattr(node.func, 'id', None) == 'Refused':
+            closes = any(k.arg == 'connection' and k.value.value == 'close' for k in node.keywords)
+            for status in ast.walk(node.args[0]):  # 503 if queued else 504: both
+                if isinstance(status, ast.Constant):
+                    found.add((status.value, closes))
+    return found
+
+
+def test_serving_docs_list_every_status_and_every_reply_that_closes_the_connection():
+    text = (ROOT / 'docs' / 'serving.md').read_text()
+    statuses = text.split('`{"error": "…"}` with the status:')[1].split('One exception')[0]
+    listed = {int(n) for n in re.findall(r'\b([45]\d\d)\b', statuses)}
+    assert {status for status, _ in refusals()} | {500} <= listed, listed
+    closing = text.split('After an')[1].split('which close it')[0]
+    assert {status for status, closes in refusals() if closes} <= {int(n) for n in re.findall(r'\b\d{3}\b', closing)}
+    assert 'the server is busy reading other requests' in (ROOT / 'serve.py').read_text()  # the 503 quoted there
+
+
+def test_serving_limits_are_the_codes():
+    import serve
+    text = (ROOT / 'docs' / 'serving.md').read_text()
+    assert serve.MAX_BODY_BYTES == 10 * 2**20 and '| a request body | 10 MiB, 10,485,760 bytes' in text
+    assert serve.BODY_BUDGET == 80 * 2**20 and '| request bodies held at once | 80 MiB' in text
+    assert serve.MAX_HEAD_BYTES == 16 * 2**10 and '| request line and headers | 16 KiB' in text
+    assert serve.MAX_IMAGES == 16 and '| images in one request | 16 |' in text
+    page = (ROOT / 'page' / 'index.html').read_text()
+    assert 'const MAX_UPLOAD = 1000000, MAX_SIDE = 1024;' in page  # what serving.md says the page sends
+    assert 'over 1 MB or 1024 pixels a side to 1024 pixels a side' in ' '.join(text.split())
+
+
+@pytest.mark.parametrize('doc', DOCS, ids=lambda path: str(path.relative_to(ROOT)))
+def test_files_the_examples_send_are_in_the_repository(doc):
+    for path in re.findall(r'(?:curl|base64)[^\n`]*?@?\b(page/[\w.]+|[\w-]+\.png)\b', doc.read_text()):
+        assert (ROOT / path).exists(), f'{doc.name}: {path}'

@@ -51,7 +51,8 @@ def parse_args():
                         help='batches between training-loss lines (default: 100)')
     parser.add_argument('--val-batch-size', type=common.positive(int), default=1000,
                         help='validation batch size; does not change the results (default: 1000)')
-    parser.add_argument('--seed', type=int, default=0, help='seed for the initial weights and the data order (default: 0)')
+    parser.add_argument('--seed', type=int, default=0,
+                        help='seed for the initial weights and the data order (default: 0)')
     parser.add_argument('--device', default='cuda' if torch.cuda.is_available() else 'cpu',
                         help='cpu, cuda, and in the single script also cuda:N or mps; in the distributed script '
                              'cuda means GPU LOCAL_RANK (default: cuda if available, else cpu)')
@@ -73,7 +74,7 @@ def train(model, train_loader, optimizer, criterion, epoch, device, writer, log_
         if batch_idx % log_interval == 0:
             loss_value = loss.item()  # the loop's one host sync, at log lines only
             writer.add_scalar('Loss/train', loss_value, epoch * len(train_loader) + batch_idx)
-            print(f'Train Epoch: {epoch} [{batch_idx * len(data)}/{len(train_loader.dataset)} ({100. * batch_idx / len(train_loader):.0f}%)]\tLoss: {loss_value:.6f}')
+            print(f'Train Epoch: {epoch} [{batch_idx * len(data)}/{len(train_loader.dataset)} ({100. * batch_idx / len(train_loader):.0f}%)]\tLoss: {loss.item():.6f}')
             common.check_finite(loss_value, epoch, batch_idx)
 
 
@@ -116,7 +117,8 @@ def main(args):
     common.prepare_mnist(args.data_dir)  # download=True, with checks and atomic files
     train_dataset = datasets.MNIST(root=args.data_dir, train=True, download=False, transform=transform)
     val_dataset = datasets.MNIST(root=args.data_dir, train=False, download=False, transform=transform)
-    train_loader = common.TensorLoader(train_dataset, batch_size=batch_size, shuffle=True, seed=args.seed, device=device)
+    train_loader = common.TensorLoader(train_dataset, batch_size=batch_size, shuffle=True, seed=args.seed,
+                                       device=device)
     val_loader = common.TensorLoader(val_dataset, batch_size=args.val_batch_size, shuffle=False, device=device)
 
     # Model, on the GPU if there is one
@@ -146,9 +148,11 @@ def main(args):
         common.save_checkpoint(args, writer, model, optimizer, epoch + 1, best_val_accuracy, best_epoch)
         epoch_time = time.perf_counter() - epoch_start
         print(f'Epoch {epoch} done in {epoch_time:.2f}s ({len(train_loader.dataset) / epoch_time:.0f} samples/s)')
-    common.review_best_model(writer, args, best_model_path, val_loader, best_val_accuracy, best_epoch, 1)  # TensorBoard's other tabs
+    # TensorBoard's other tabs: the best model's mistakes, PR curves, graph, hyperparameters
+    common.review_best_model(writer, args, best_model_path, val_loader, best_val_accuracy, best_epoch, 1)
     writer.close()
-    print(f'Best accuracy {best_val_accuracy:.2f}% at epoch {best_epoch}, saved in {best_model_path}; {num_epochs - start_epoch} epochs in {time.perf_counter() - run_start:.1f}s')
+    print(f'Best accuracy {best_val_accuracy:.2f}% at epoch {best_epoch}, saved in {best_model_path}; '
+          f'{num_epochs - start_epoch} epochs in {time.perf_counter() - run_start:.1f}s')
     print('Training complete. writer.close()')
 
 

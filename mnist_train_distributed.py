@@ -5,7 +5,8 @@ MASTER_PORT, and NPROC_PER_NODE for nodes with several GPUs):
   torchrun --nproc_per_node=1 --nnodes=${WORLD_SIZE} --node_rank=${RANK} \\
       --master_addr=${MASTER_ADDR} --master_port=${MASTER_PORT} /mnt/data/mnist_train_distributed.py
 On your own machine (2 CPU processes):
-  torchrun --standalone --nproc_per_node=2 mnist_train_distributed.py --data-dir ./data --output-dir ./output/distributed
+  torchrun --standalone --nproc_per_node=2 mnist_train_distributed.py \\
+      --data-dir ./data --output-dir ./output/distributed
 
 Global rank 0 writes to --output-dir: best_model.pth (the best model's state_dict, keys as in the
 single script), checkpoint.pth (the same command resumes from it) and TensorBoard logs in
@@ -63,7 +64,8 @@ def parse_args():
                         help='batches between training-loss lines (default: 100)')
     parser.add_argument('--val-batch-size', type=common.positive(int), default=1000,
                         help='validation batch size; does not change the results (default: 1000)')
-    parser.add_argument('--seed', type=int, default=0, help='seed for the initial weights and the data order (default: 0)')
+    parser.add_argument('--seed', type=int, default=0,
+                        help='seed for the initial weights and the data order (default: 0)')
     parser.add_argument('--device', default='cuda' if torch.cuda.is_available() else 'cpu',
                         help='cpu, cuda, and in the single script also cuda:N or mps; in the distributed script '
                              'cuda means GPU LOCAL_RANK (default: cuda if available, else cpu)')
@@ -276,19 +278,17 @@ def peer_lost(error, epoch, rank, world_size, timeout):
         return error  # not a lost peer: the traceback says what it is
     missing, hosts = silent_ranks(epoch, rank, world_size)
     ranks = f'rank{"s" * (len(missing) > 1)} {", ".join(map(str, missing)) or "?"} of {world_size}'
-    restarts_left = int(os.environ.get('TORCHELASTIC_MAX_RESTARTS', 0)) > int(os.environ.get(
-        'TORCHELASTIC_RESTART_COUNT', 0))
     if not re.search(r'[Tt]imed out|[Tt]imeout', cause):  # its connection closed: the process is gone
         return common.SetupError(
             f'rank {rank} lost {ranks} during epoch {epoch} ({cause}): its process or node is gone. A torchrun '
             f'started with --max-restarts restarts the job now; otherwise start the same command again on every '
             f'node. Either resumes from epoch {epoch}.')
     hang = f'{ranks} on {", ".join(sorted(set(hosts))) or "?"} stopped answering during epoch {epoch}'
-    if agent_store is not None and restarts_left:
+    if agent_store is not None and restarts_left():
         with contextlib.suppress(Exception):  # for the next attempt's wait (join); torchrun's agent keeps it
             agent_store.set('mnist/hang', hang)
     then = (f'torchrun restarts this node\'s processes now; they wait {timeout:g}s for it to join again, and the job '
-            f'ends if it does not' if restarts_left and agent_store is not None else 'this process stops now')
+            f'ends if it does not' if restarts_left() and agent_store is not None else 'this process stops now')
     return common.SetupError(
         f'rank {rank} waited {timeout:g}s for {ranks} ({", ".join(hosts) or "host unknown"}) during epoch {epoch} '
         f'({cause}): it stopped answering, but its process may still be alive and stuck (a hung data mount or disk, a '
@@ -363,13 +363,17 @@ def on_ranks(selected, fn, *args):
     return replies[0][0]
 
 
+def restarts_left():
+    """Whether torchrun will start this node's processes again when this one fails."""
+    return int(os.environ.get('TORCHELASTIC_MAX_RESTARTS', 0)) > int(os.environ.get('TORCHELASTIC_RESTART_COUNT', 0))
+
+
 def report_failure(error):
     """Say why this process stops, in one paragraph: on stderr, or where torchrun will not restart it, in the
     error file torchrun hands each worker (as torch.distributed.elastic's @record writes it), which its failure
     report quotes, naming the rank where the failure began as the root cause."""
     message, path = f'error: {error}', os.environ.get('TORCHELASTIC_ERROR_FILE')
-    restarts_left = int(os.environ.get('TORCHELASTIC_MAX_RESTARTS', 0)) - int(os.environ.get('TORCHELASTIC_RESTART_COUNT', 0))
-    if not path or restarts_left > 0:
+    if not path or restarts_left():
         sys.stderr.write(message + '\n')  # one write: the ranks of a job share the stream
         return
     origin = getattr(error, 'origin', None)
@@ -428,6 +432,19 @@ def validate(model, val_loader, criterion, device, writer, epoch, rank):
     return val_loss, val_accuracy
 
 
+def prepare_data(args, rank, world_size, local_rank, device):
+    """The data of this rank: its sampler and loader of the training set, and its share of the test set."""
+    for first in (rank == 0, local_rank == 0 and rank != 0):
+        on_ranks(first, common.prepare_mnist, args.data_dir)
+    train_dataset = datasets.MNIST(root=args.data_dir, train=True, download=False, transform=transform)
+    val_dataset = datasets.MNIST(root=args.data_dir, train=False, download=False, transform=transform)
+    train_sampler = DistributedSampler(train_dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed)
+    train_loader = common.TensorLoader(train_dataset, batch_size=args.batch_size, sampler=train_sampler, device=device)
+    val_loader = common.TensorLoader(val_dataset, batch_size=args.val_batch_size,
+                                     sampler=range(rank, len(val_dataset), world_size), device=device)
+    return train_sampler, train_loader, val_loader
+
+
 def main(args):
     # Hyperparameters: the flags, whose defaults are the document's values
     batch_size, learning_rate, num_epochs = args.batch_size, args.lr, args.epochs
@@ -442,23 +459,19 @@ def main(args):
         return
 
     # Data: rank 0 downloads, then each other node's first process if it sees none; disjoint validation shares
-    for first in (rank == 0, local_rank == 0 and rank != 0):
-        on_ranks(first, common.prepare_mnist, args.data_dir)
-    train_dataset = datasets.MNIST(root=args.data_dir, train=True, download=False, transform=transform)
-    val_dataset = datasets.MNIST(root=args.data_dir, train=False, download=False, transform=transform)
-    train_sampler = DistributedSampler(train_dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed)
-    train_loader = common.TensorLoader(train_dataset, batch_size=batch_size, sampler=train_sampler, device=device)
-    val_loader = common.TensorLoader(val_dataset, batch_size=args.val_batch_size, sampler=range(rank, len(val_dataset), world_size), device=device)
+    train_sampler, train_loader, val_loader = prepare_data(args, rank, world_size, local_rank, device)
 
     # Model, on the GPU if there is one
     torch.manual_seed(args.seed)
     model = common.SimpleCNN().to(device)
     if device.type == 'cpu':  # channels_last: a third faster on torch 2.3's CPU convolutions
         model = model.to(memory_format=torch.channels_last)
-    model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[local_rank] if device.type == 'cuda' else None)  # rank 0's weights everywhere
+    # rank 0's weights everywhere; device_ids only on a GPU
+    model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[local_rank] if device.type == 'cuda' else None)
     criterion = nn.CrossEntropyLoss()
     optimizer = optim.SGD(model.parameters(), lr=learning_rate)
-    start_epoch, best_val_accuracy, best_epoch = common.resume(checkpoint, model.module, optimizer, best_model_path, main_process=rank == 0)
+    start_epoch, best_val_accuracy, best_epoch = common.resume(checkpoint, model.module, optimizer, best_model_path,
+                                                               main_process=rank == 0)
 
     # TensorBoard (purge_step: steps an interrupted run logged past its checkpoint are hidden)
     writer = (SummaryWriter(f'{args.output_dir}/runs/mnist_experiment', purge_step=start_epoch * len(train_loader))
@@ -468,8 +481,10 @@ def main(args):
     for epoch in range(start_epoch, num_epochs):
         epoch_start = time.perf_counter()
         train_sampler.set_epoch(epoch)  # a new order each epoch, the same one after a restart
-        with peers_watched(epoch, rank, world_size, args.collective_timeout):  # a failed collective: which rank is gone, in one paragraph
-            train(model, train_loader, optimizer, criterion, epoch, device, writer, args.log_interval, rank, local_rank, world_size)
+        # A failed or timed-out collective: which rank is gone or hung, in one paragraph
+        with peers_watched(epoch, rank, world_size, args.collective_timeout):
+            train(model, train_loader, optimizer, criterion, epoch, device, writer, args.log_interval, rank, local_rank,
+                  world_size)
             val_loss, val_accuracy = validate(model, val_loader, criterion, device, writer, epoch, rank)
         if rank != 0:
             continue  # rank 0 alone logs and saves
@@ -484,9 +499,11 @@ def main(args):
         print(f'Epoch {epoch} done in {epoch_time:.2f}s ({len(train_loader.dataset) / epoch_time:.0f} samples/s)')
     if rank != 0:
         return
-    common.review_best_model(writer, args, best_model_path, val_loader, best_val_accuracy, best_epoch, world_size)  # TensorBoard's other tabs
+    # TensorBoard's other tabs: the best model's mistakes, PR curves, graph, hyperparameters
+    common.review_best_model(writer, args, best_model_path, val_loader, best_val_accuracy, best_epoch, world_size)
     writer.close()
-    print(f'Best accuracy {best_val_accuracy:.2f}% at epoch {best_epoch}, saved in {best_model_path}; {num_epochs - start_epoch} epochs in {time.perf_counter() - run_start:.1f}s')
+    print(f'Best accuracy {best_val_accuracy:.2f}% at epoch {best_epoch}, saved in {best_model_path}; '
+          f'{num_epochs - start_epoch} epochs in {time.perf_counter() - run_start:.1f}s')
     print('Training complete. writer.close()')
 
 
@@ -500,7 +517,8 @@ if __name__ == '__main__':
     except common.SetupError as e:
         if args.debug:
             raise
-        for signum in (signal.SIGINT, signal.SIGTERM):  # failing already: torchrun's SIGTERM to the others ends them quietly
+        # Failing already: torchrun's SIGTERM to the other processes ends them quietly
+        for signum in (signal.SIGINT, signal.SIGTERM):
             signal.signal(signum, signal.SIG_DFL)
         report_failure(e)
         sys.exit(1)

@@ -1,7 +1,8 @@
 """Serve a trained best_model.pth over HTTP: the document's last step, "deploy the trained model" (PAI-EAS).
 
 Run command of an EAS service deployed from the training image, with the dataset mounted at /mnt/data:
-  pip install -r /mnt/data/requirements-serve.txt && python /mnt/data/serve.py --host 0.0.0.0 --model /mnt/data/output/best_model.pth
+  pip install -r /mnt/data/requirements-serve.txt && \
+      python /mnt/data/serve.py --host 0.0.0.0 --model /mnt/data/output/best_model.pth
 On your own machine (after ./run_local.sh; or ./run_local.sh serve):
   python serve.py --model ./output/single/best_model.pth
   python serve.py --model ./output/single/best_model.pth --predict digit.png ...   (no server)
@@ -45,8 +46,8 @@ except ModuleNotFoundError as e:
     if e.name in ('common', 'framing'):  # the script uploaded alone
         sys.exit(f'error: {e.name}.py is missing: upload it beside {os.path.abspath(__file__)} (on DLC, to the same '
                  f'folder of the dataset as the script).')
-    sys.exit(f'error: serve.py needs {e.name}: pip install -r {os.path.join(os.path.dirname(__file__), "requirements-serve.txt")}'
-             f' (./run_local.sh serve installs it).')
+    requirements = os.path.join(os.path.dirname(__file__), 'requirements-serve.txt')
+    sys.exit(f'error: serve.py needs {e.name}: pip install -r {requirements} (./run_local.sh serve installs it).')
 
 MAX_BODY_BYTES = 10 * 1024 * 1024
 MAX_IMAGES = 16  # in one request
@@ -387,8 +388,9 @@ def listen(host, port):
 def server_of(model, args, in_progress):
     """uvicorn, with its documented settings, serving App."""
     return uvicorn.Server(uvicorn.Config(
-        App(model, args, in_progress), http='h11', h11_max_incomplete_event_size=MAX_HEAD_BYTES, ws='none', lifespan='off', log_level='warning', access_log=False,
-        server_header=False, timeout_keep_alive=60, timeout_graceful_shutdown=args.grace))
+        App(model, args, in_progress), http='h11', h11_max_incomplete_event_size=MAX_HEAD_BYTES, ws='none',
+        lifespan='off', log_level='warning', access_log=False, server_header=False, timeout_keep_alive=60,
+        timeout_graceful_shutdown=args.grace))
 
 
 def worker(model, args, sock, in_progress):

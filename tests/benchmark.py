@@ -48,7 +48,8 @@ def document_epoch(model, optimizer, criterion, train_loader, val_loader, device
         optimizer.step()
         if batch_idx % 100 == 0:
             writer.add_scalar('Loss/train', loss.item(), epoch * len(train_loader) + batch_idx)
-            print(f'Train Epoch: {epoch} [{batch_idx * len(data)}/{len(train_loader.dataset)}]\tLoss: {loss.item():.6f}')
+            print(f'Train Epoch: {epoch} [{batch_idx * len(data)}/{len(train_loader.dataset)}]\t'
+                  f'Loss: {loss.item():.6f}')
     model.eval()
     val_loss, correct = 0, 0
     with torch.no_grad():

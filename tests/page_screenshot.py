@@ -35,7 +35,8 @@ def headless_chromium(width, height):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     parser.add_argument('--model', required=True, help='best_model.pth written by the training scripts')
-    parser.add_argument('--out', default=os.path.join(ROOT, 'docs', 'page.png'), help='the PNG (default: docs/page.png)')
+    parser.add_argument('--out', default=os.path.join(ROOT, 'docs', 'page.png'),
+                        help='the PNG (default: docs/page.png)')
     args = parser.parse_args()
     server = Server(os.path.join(ROOT, 'serve.py'), args.model)
     browser = headless_chromium(780, 720)

@@ -187,11 +187,14 @@ def test_positive_takes_the_smallest_values_and_names_the_bad_one():
 
 
 @pytest.mark.parametrize('name, damage, problem', [
-    ('train-images-idx3-ubyte', lambda data: b'\x00\x00\x08\x01' + data[4:], 'its header is not that of an MNIST image file'),
-    ('train-labels-idx1-ubyte', lambda data: b'\x00\x00\x08\x03' + data[4:], 'its header is not that of an MNIST label file'),
+    ('train-images-idx3-ubyte', lambda data: b'\x00\x00\x08\x01' + data[4:],
+     'its header is not that of an MNIST image file'),
+    ('train-labels-idx1-ubyte', lambda data: b'\x00\x00\x08\x03' + data[4:],
+     'its header is not that of an MNIST label file'),
     ('t10k-images-idx3-ubyte', lambda data: data[:8] + (29).to_bytes(4, 'big') + data[12:], 'its header is not'),
     ('t10k-labels-idx1-ubyte', lambda data: data + b'\x00', r'\d+ bytes where its header calls for \d+'),
-    ('train-labels-idx1-ubyte', lambda data: data[:4] + data[4:8][::-1] + data[8:], r'\d+ bytes where its header calls for 335544328'),
+    ('train-labels-idx1-ubyte', lambda data: data[:4] + data[4:8][::-1] + data[8:],
+     r'\d+ bytes where its header calls for 335544328'),
 ])
 def test_each_kind_of_damaged_file_is_told(name, damage, problem, tmp_path):
     root = make_mnist(tmp_path, 20, 10)
@@ -211,7 +214,8 @@ def test_check_idx_file_counts_the_items(tmp_path):
 def test_save_atomic_registers_its_temporary_file_only_while_writing(tmp_path, monkeypatch):
     path, seen = str(tmp_path / 'best_model.pth'), []
     real_replace = os.replace
-    monkeypatch.setattr(common.os, 'replace', lambda src, dst: (seen.append(set(common._writing)), real_replace(src, dst)))
+    monkeypatch.setattr(common.os, 'replace',
+                        lambda src, dst: (seen.append(set(common._writing)), real_replace(src, dst)))
     common.save_atomic({'a': torch.ones(1)}, path)
     assert seen == [{path + '.tmp'}] and common._writing == set()
 

@@ -96,7 +96,8 @@ def test_mnist_root_takes_mnist_or_mnist_raw_itself(given, inner, tmp_path, caps
 @pytest.mark.parametrize('given, inner', [('MNIST', 'MNIST'), ('MNIST/raw', 'MNIST/raw')])
 def test_mnist_root_of_a_relative_mnist_folder_is_here(given, inner, capsys):
     assert common.mnist_root(given) == '.'
-    assert capsys.readouterr().out == f'--data-dir {given} is the {inner} folder itself; reading the data from ./MNIST/raw\n'
+    assert capsys.readouterr().out == \
+        f'--data-dir {given} is the {inner} folder itself; reading the data from ./MNIST/raw\n'
 
 
 def test_mnist_root_takes_a_root_named_mnist_that_holds_mnist_raw(tmp_path, capsys):
@@ -151,7 +152,8 @@ def test_missing_files_are_listed_with_the_advice(tmp_path, hint):
         f'MNIST is not in {root}/MNIST/raw and could not be downloaded (missing: train-labels-idx1-ubyte, '
         f't10k-images-idx3-ubyte). On a node without internet access, put the four files '
         f'{", ".join(FILES)} in that folder (uncompressed, or the .gz files as downloaded), for example by '
-        f'uploading them to the dataset, or set MNIST_MIRROR to a URL prefix that serves them as .gz. [hint for {root}]')
+        f'uploading them to the dataset, or set MNIST_MIRROR to a URL prefix that serves them as .gz. '
+        f'[hint for {root}]')
 
 
 def compress_in_place(root, names):
@@ -384,7 +386,8 @@ def refusal(tmp_path, content):
     assert path.read_bytes() == before, 'the file is left as it is'
     message = str(error.value)
     start = f'cannot resume from {path}: it is not a readable checkpoint of this model ('
-    end = ('). It was left as it is. To start fresh, pass --no-resume (it is then kept as checkpoint.pth.previous) or move it away.')
+    end = ('). It was left as it is. To start fresh, pass --no-resume (it is then kept as checkpoint.pth.previous) '
+           'or move it away.')
     assert message.startswith(start) and message.endswith(end), message
     return message[len(start):-len(end)]
 
@@ -478,8 +481,10 @@ def test_a_fresh_start_sets_the_earlier_run_aside_whole(tmp_path, capsys):
     assert common.resume(None, model, optimizer, str(best), main_process=False) == (0, 0.0, None)
     assert os.listdir(tmp_path) == ['best_model.pth'] and capsys.readouterr().out == ''
     assert common.resume(None, model, optimizer, str(best)) == (0, 0.0, None)
-    assert os.listdir(tmp_path) == ['best_model.pth.previous'] and (tmp_path / 'best_model.pth.previous').read_text() == 'earlier'
-    assert capsys.readouterr().out == f'Starting afresh: the earlier run is kept as best_model.pth.previous in {tmp_path}\n'
+    assert os.listdir(tmp_path) == ['best_model.pth.previous']
+    assert (tmp_path / 'best_model.pth.previous').read_text() == 'earlier'
+    assert capsys.readouterr().out == \
+        f'Starting afresh: the earlier run is kept as best_model.pth.previous in {tmp_path}\n'
     # With its checkpoint (--no-resume): both together, so the folder never claims a run whose model is gone.
     best.write_text('second')
     (tmp_path / 'checkpoint.pth').write_text('its checkpoint')
@@ -557,7 +562,8 @@ def test_a_stop_of_a_no_resume_run_says_to_drop_the_flag(tmp_path, stop, monkeyp
     torch.save({'epochs_done': 1}, tmp_path / 'checkpoint.pth')
     monkeypatch.setattr(common, '_epochs_saved', 1)  # as save_checkpoint leaves it after this run's first epoch
     assert stop(args_for(tmp_path, no_resume=True), signal.SIGTERM) == (
-        143, 'Stopped by SIGTERM, after 1 finished epochs: the same command without --no-resume resumes from epoch 1.\n')
+        143, 'Stopped by SIGTERM, after 1 finished epochs: the same command without --no-resume resumes from '
+             'epoch 1.\n')
 
 
 def test_a_stop_of_a_no_resume_run_before_its_first_epoch_ignores_the_earlier_run(tmp_path, stop, monkeypatch):
@@ -588,5 +594,6 @@ def test_check_finite_stops_a_diverged_run():
         'training diverged: the loss became nan at epoch 2, batch 0. checkpoint.pth and best_model.pth are left as '
         'the last finished epoch wrote them. The learning rate is probably too large: train again with a smaller '
         '--lr (the document uses 0.01), adding --no-resume if this output folder already has a checkpoint of this run.')
-    with pytest.raises(common.SetupError, match=r'^training diverged: the loss became -inf at the validation of epoch 1\. '):
+    diverged = r'^training diverged: the loss became -inf at the validation of epoch 1\. '
+    with pytest.raises(common.SetupError, match=diverged):
         common.check_finite(float('-inf'), 1)

@@ -215,8 +215,9 @@ def test_two_nodes_restart_once_whichever_worker_dies(rendezvous, victim, mnist_
     out, port = tmp_path / 'out', free_port()
     nodes = []
     for node in (0, 1):  # two launchers, one process each: two "nodes" on loopback
+        static = [f'--node_rank={node}', '--master_addr=127.0.0.1', f'--master_port={port}']
         where = (['--rdzv_backend=c10d', f'--rdzv_endpoint=127.0.0.1:{port}', '--rdzv_id=restart-test']
-                 if rendezvous == 'c10d' else [f'--node_rank={node}', '--master_addr=127.0.0.1', f'--master_port={port}'])
+                 if rendezvous == 'c10d' else static)
         nodes.append(start(torchrun('--nnodes=2', '--nproc_per_node=1', *where, '--max-restarts=1', SCRIPT,
                                     '--data-dir', mnist_big_dir, '--output-dir', out, '--epochs', '3',
                                     '--log-interval', '20')))
@@ -270,8 +271,9 @@ def test_a_hung_peer_is_named_as_hung_and_the_job_ends_within_two_collective_tim
     host = socket.gethostname() if victim == 1 else '127.0.0.1'  # a stuck rank 0: its store's address
     paragraph = re.search(rf'^error: rank {survivor} waited 8s for rank {victim} of 2 \({re.escape(host)}\) during '
                           rf'epoch 1 \(.*\): it stopped answering, but its process may still be alive and stuck .*: '
-                          rf'look at that node\. Then torchrun restarts this node\'s processes now; they wait 8s for it '
-                          rf'to join again, and the job ends if it does not\..* it resumes from epoch 1\.$', output, re.M)
+                          rf'look at that node\. Then torchrun restarts this node\'s processes now; they wait 8s for '
+                          rf'it to join again, and the job ends if it does not\..* it resumes from epoch 1\.$',
+                          output, re.M)
     assert paragraph, output
     assert f'The last attempt stopped because rank {victim} of 2 on {host} stopped answering during epoch 1: ' \
            f'waiting 8s (--collective-timeout) for it to join again.' in output

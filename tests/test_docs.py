@@ -12,7 +12,8 @@ import pytest
 from conftest import ROOT, run
 
 DOCS = [ROOT / 'README.md', *sorted((ROOT / 'docs').glob('*.md'))]
-SOURCES = [ROOT / name for name in ('mnist_train.py', 'mnist_train_distributed.py', 'common.py', 'serve.py', 'framing.py')]
+SOURCES = [ROOT / name for name in
+           ('mnist_train.py', 'mnist_train_distributed.py', 'common.py', 'serve.py', 'framing.py')]
 
 
 @functools.cache  # the same sources for every doc

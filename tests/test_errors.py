@@ -95,7 +95,8 @@ def test_unknown_backend(tmp_path):
 
 
 def test_cuda_asked_for_without_cuda(tmp_path):
-    fails(train_cmd('--device', 'cuda', '--output-dir', tmp_path), '--device cuda was asked for, but this machine has 0 CUDA GPUs')
+    fails(train_cmd('--device', 'cuda', '--output-dir', tmp_path),
+          '--device cuda was asked for, but this machine has 0 CUDA GPUs')
     fails(dist_cmd('--backend', 'nccl', '--output-dir', tmp_path), 'needs CUDA, which is not available')
 
 

@@ -44,8 +44,8 @@ def test_printed_validation_equals_the_documents_validation_of_the_saved_weights
     if launch == 'single':
         _, stdout, _ = run(train_cmd(*args))
     else:  # 200 test images over 2 or 3 ranks: shares of 100, or 67, 67 and 66
-        _, stdout, _ = run(torchrun('--standalone', f'--nproc_per_node={launch[-1]}', ROOT / 'mnist_train_distributed.py',
-                                    *args))
+        _, stdout, _ = run(torchrun('--standalone', f'--nproc_per_node={launch[-1]}',
+                                    ROOT / 'mnist_train_distributed.py', *args))
     [(correct, loss)] = printed_validations(stdout)
     state = torch.load(out / 'checkpoint.pth', weights_only=True)['model']  # the weights that were validated
     expected_correct, expected_loss = documents_validation(state, mnist_dir)

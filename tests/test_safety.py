@@ -107,8 +107,8 @@ def test_divergence_in_the_first_epoch_saves_nothing(launch, mnist_dir, tmp_path
         message = one_paragraph_error(run(train_cmd(*args), check=False))
         assert re.search(r'the loss became (nan|inf) at epoch 0, batch \d+', message)
     else:
-        returncode, stdout, stderr = run(torchrun('--standalone', '--nproc_per_node=2', ROOT / 'mnist_train_distributed.py',
-                                                  *args), check=False)
+        returncode, stdout, stderr = run(torchrun('--standalone', '--nproc_per_node=2',
+                                                  ROOT / 'mnist_train_distributed.py', *args), check=False)
         assert returncode != 0  # every rank stops on its own rather than waiting for the other one
         rank, message = torchrun_report(stderr)['root']  # the paragraph, in torchrun's failure report
         assert re.match(r'error: training diverged: the loss became (nan|inf) at epoch 0, batch \d+', message), stderr

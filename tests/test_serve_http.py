@@ -129,7 +129,8 @@ def test_every_request_form_gets_the_same_answer(server, model_file, tmp_path):
                 {'Content-Type': 'application/json'}) == (200, one)
     # Several images: a list, from one forward pass (the batch's own probabilities).
     assert post(port, *multipart(image, other)) == (200, {'predictions': two})
-    assert post(port, json.dumps({'images': [encoded, base64.b64encode(other).decode()]})) == (200, {'predictions': two})
+    images = [encoded, base64.b64encode(other).decode()]
+    assert post(port, json.dumps({'images': images})) == (200, {'predictions': two})
     # Chunked, as a client streaming a file sends it.
     connection = http.client.HTTPConnection('127.0.0.1', port, timeout=30)
     connection.request('POST', '/predict', body=iter([image[:100], image[100:]]), encode_chunked=True)
@@ -153,7 +154,8 @@ def test_framed_1_adds_the_28x28_image_the_model_read_and_only_then(server):
     connection.request('POST', '/predict?framed=1', body=image)
     response = connection.getresponse()
     reply = json.loads(response.read())
-    assert response.status == 200 and reply['digit'] == plain['digit'] and reply['probabilities'] == plain['probabilities']
+    assert response.status == 200
+    assert reply['digit'] == plain['digit'] and reply['probabilities'] == plain['probabilities']
     assert reply['framed'].startswith('data:image/png;base64,')
     shown = Image.open(io.BytesIO(base64.b64decode(reply['framed'].partition(',')[2])))
     assert shown.size == (28, 28) and shown.tobytes() == framing.to_mnist(image).tobytes()
@@ -225,7 +227,8 @@ def test_head_and_options(server):
     assert response.status == 200 and response.read() == b'' and int(response.headers['content-length']) > 0
     connection.request('OPTIONS', '/predict')  # the same connection: HEAD's reply had no body
     response = connection.getresponse()
-    assert response.status == 200 and response.headers['allow'] == 'POST, OPTIONS' == json.loads(response.read())['allow']
+    assert response.status == 200
+    assert response.headers['allow'] == 'POST, OPTIONS' == json.loads(response.read())['allow']
 
 
 @pytest.mark.parametrize('first', [
@@ -428,7 +431,8 @@ def test_a_stop_answers_the_requests_in_progress_then_exits_0(model_file, sig, n
 
 @pytest.mark.parametrize('flags, message', [
     (['--port', '70000'], 'error: --port 70000 is not a port: pass one from 1 to 65535 (or 0 for any free one).'),
-    (['--host', 'no-such-host.invalid'], 'error: cannot listen on no-such-host.invalid: no such address on this machine'),
+    (['--host', 'no-such-host.invalid'],
+     'error: cannot listen on no-such-host.invalid: no such address on this machine'),
     (['--port', 'IN_USE'], 'Address already in use); pass another --port, or stop what is using it.'),
 ])
 def test_start_up_errors_are_one_line(model_file, flags, message):

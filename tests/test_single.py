@@ -146,7 +146,8 @@ def test_a_real_tensorboard_shows_the_new_tabs(mnist_dir, tmp_path):
         assert sorted(get('/data/plugin/images/tags')['mnist_experiment']) == [
             'Best model/confusion matrix (rows: true, columns: read as)',
             'Best model/mistakes (true > read as), the surest first']
-        assert sorted(get('/data/plugin/pr_curves/tags')['mnist_experiment']) == [f'Best model/digit {d}' for d in range(10)]
+        assert sorted(get('/data/plugin/pr_curves/tags')['mnist_experiment']) == \
+            [f'Best model/digit {d}' for d in range(10)]
         assert sorted(get('/data/plugin/scalars/tags')['mnist_experiment'])[:3] == [
             'Accuracy/validation', 'Loss/train', 'Loss/validation']
     finally:

@@ -205,12 +205,29 @@ def absent_ranks(store, keys, deadline):
 
 
 def gpu_name(device):
-    """What tells this process's GPU from the others of its host: its uuid (torch 2.3 has none: its place among
-    the visible ones); 'cpu' on the CPU."""
+    """What tells this process's GPU from the others of its host, whatever CUDA_VISIBLE_DEVICES each process
+    has: its uuid, or where torch has none (2.3) its PCI bus id; 'cpu' on the CPU."""
     if device.type != 'cuda':
         return 'cpu'
-    return str(getattr(torch.cuda.get_device_properties(device), 'uuid', '') or
-               f'{device} of CUDA_VISIBLE_DEVICES={os.environ.get("CUDA_VISIBLE_DEVICES", "all")}')
+    uuid = getattr(torch.cuda.get_device_properties(device), 'uuid', None)
+    return str(uuid) if uuid else pci_bus_id(device.index)
+
+
+def pci_bus_id(index):
+    """The PCI bus id ('0000:3B:00.0') of this process's CUDA device `index`, from the CUDA runtime torch has
+    loaded; where it cannot be read, the device's place among the visible ones (which tells fewer cases)."""
+    import ctypes
+    import ctypes.util
+    with contextlib.suppress(OSError):
+        with open('/proc/self/maps') as maps:  # the very library torch uses (Linux)
+            loaded = [line.split()[-1] for line in maps if 'libcudart' in line]
+        for path in [*loaded, ctypes.util.find_library('cudart')]:
+            if not path:
+                continue
+            runtime, bus_id = ctypes.CDLL(path), ctypes.create_string_buffer(32)
+            if runtime.cudaDeviceGetPCIBusId(bus_id, len(bus_id), index) == 0:  # cudaSuccess
+                return f'PCI {bus_id.value.decode()}'
+    return f'cuda:{index} of CUDA_VISIBLE_DEVICES={os.environ.get("CUDA_VISIBLE_DEVICES", "all")}'
 
 
 def last_hang(agent_store):

@@ -140,6 +140,7 @@ def test_the_scripts_help_examples_write_to_different_folders():
     outputs = []
     for script in ('mnist_train.py', 'mnist_train_distributed.py'):
         _, stdout, _ = run([sys.executable, ROOT / script, '--help'])
+        stdout = re.sub(r' *\\\n *', ' ', stdout)  # a command continued on the next line
         outputs.append(re.search(r'^ +(?:python|torchrun) .*--output-dir (\S+)', stdout, re.M).group(1))
     assert outputs[0] != outputs[1], outputs
 

@@ -10,7 +10,9 @@
 #   ./run_local.sh test [PYTEST ARGS]  the test suite, newest torch (.venv)
 #   ./run_local.sh test-pai [...]      the test suite on the PAI image's torch 2.3.1 (.venv-pai)
 #   ./run_local.sh bench [FLAGS]       document pipeline vs ours (tests/benchmark.py --help)
-#   ./run_local.sh gpu-check [FLAGS]   2 epochs of each script on CUDA, with NCCL over every GPU
+#   ./run_local.sh gpu-check [--pai] [FLAGS]
+#                                      the GPU acceptance: every CUDA path checked, with figures
+#                                      (tests/gpu_check.py --help; --pai: torch 2.3.1 in .venv-pai)
 #   ./run_local.sh serve [FLAGS]       serve.py with ./output/single/best_model.pth on port 8000
 #   ./run_local.sh bench-serve [FLAGS] serve.py's latency, requests/s, memory and slow pictures, beside
 #                                      the single-process serve.py it replaced (tests/bench_serve.py --help)
@@ -98,15 +100,14 @@ bench-serve)
     ;;
 gpu-check)
     shift
-    venv "${VENV:-.venv}" -r requirements.txt
-    gpus=$(gpu_count)
-    if [ "$gpus" = 0 ]; then echo "gpu-check: no CUDA GPU here" >&2; exit 1; fi
-    common=(--device cuda --epochs 2 --no-resume --data-dir ./data "$@")
-    "$PY" mnist_train.py "${common[@]}" --output-dir ./output/gpu-check/single \
-        | grep -E '^(Validation|Epoch|Best)'
-    "$PY" -m torch.distributed.run --standalone --nproc_per_node="$gpus" mnist_train_distributed.py \
-        --backend nccl "${common[@]}" --output-dir ./output/gpu-check/distributed \
-        | grep -E '^(Rank [0-9]+/|Validation|Epoch|Best)'
+    # The GPU acceptance (tests/gpu_check.py --help): every CUDA path, with its figures and a verdict.
+    folder=${VENV:-.venv} constraints=()
+    if [ "${1:-}" = --pai ]; then
+        shift
+        folder=${VENV_PAI:-.venv-pai} constraints=(-c constraints-pai.txt)
+    fi
+    venv "$folder" -r requirements-serve.txt ${constraints[@]+"${constraints[@]}"}
+    exec "$PY" tests/gpu_check.py "$@"
     ;;
 -h | --help)
     usage

@@ -94,3 +94,21 @@ def test_each_run_local_command_installs_what_it_needs_whatever_ran_before(order
         installed += installs
         assert any(line.startswith(('mnist_train', 'serve.py', '-m pytest', 'tests/benchmark.py'))
                    for line in calls.read_text().splitlines()), f'{command} ran nothing'
+
+
+@pytest.mark.one_leg
+def test_gpu_check_runs_every_check_on_the_cpu_and_fails_for_a_failed_one(mnist_big_dir, tmp_path):
+    # CI has no GPU: the same command on the CPU checks its own logic. A bar no run reaches (101%) makes the
+    # single script's check fail, and so the command; every other check still runs and passes.
+    returncode, stdout, _ = run([sys.executable, ROOT / 'tests' / 'gpu_check.py', '--device', 'cpu', '--data-dir',
+                                 mnist_big_dir, '--min-accuracy', '101', '--output-dir', tmp_path,
+                                 '--join-timeout', '120'], check=False, timeout=600)
+    checks = dict(re.findall(r'^check (\w+): (ok|FAILED|skipped): ', stdout, re.M))
+    assert checks == {'single': 'FAILED', 'placement': 'skipped', 'standalone': 'ok', 'static': 'ok',
+                      'restart': 'ok', 'serve': 'ok', 'review': 'ok'}, stdout
+    assert re.search(r'^check single: FAILED: best \d+\.\d\d% \(bar 101\.0%\), \d+\.\d\ds an epoch; one epoch, ours / '
+                     r'the document\'s pipeline: \d\.\d{3}$', stdout, re.M), stdout
+    assert 'check placement: skipped: CUDA only' in stdout
+    assert re.search(r'^check standalone: ok: 2 processes, 2 validations of 200 images', stdout, re.M)
+    assert re.search(r'^check serve: ok: 20 test digits: 20/20 as on cpu', stdout, re.M)
+    assert stdout.splitlines()[-1] == 'gpu-check: 5 passed, 1 failed, 1 skipped' and returncode == 1

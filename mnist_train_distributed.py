@@ -362,9 +362,14 @@ def on_ranks(selected, fn, *args):
     keys = [f'setup/{setup_step}/{r}' for r in range(world_size)]
     job_store.set(keys[rank], pickle.dumps((result if rank == 0 else None, None if error is None else str(error))))
     deadline = time.monotonic() + SETUP_TIMEOUT.total_seconds()
-    while not job_store.check(keys) and time.monotonic() < deadline:  # polled: see join
+    while not job_store.check(keys):  # polled: see join
+        if time.monotonic() > deadline:
+            late = [r for r, key in enumerate(keys) if not job_store.check([key])]
+            raise common.SetupError(f'rank{"s" * (len(late) > 1)} {", ".join(map(str, late))} of {world_size} did '
+                                    f'not finish setting up (reading the checkpoint, or the MNIST download) within '
+                                    f'{SETUP_TIMEOUT.total_seconds():.0f}s: look at its node\'s log.')
         time.sleep(0.05)
-    replies = [pickle.loads(job_store.get(key)) for key in keys]  # TimeoutError past SETUP_TIMEOUT
+    replies = [pickle.loads(job_store.get(key)) for key in keys]
     # The store may live in rank 0's process: it ends only once every rank has read the replies.
     read = job_store.add(f'setup/{setup_step}/read', 1)
     while rank == 0 and read < world_size and any(message for _, message in replies) and time.monotonic() < deadline:

@@ -14,7 +14,7 @@ kinds, sends every image to a real serve.py over HTTP, and prints the share answ
   off-centre   light on dark, off-centre in a larger frame (PNG)
   exif         the photo stored on its side, with the EXIF orientation that turns it upright (JPEG)
   transparent  light strokes, and dark strokes, on a transparent canvas (PNG)
-  phone        the photo as a phone's 12-MP camera takes it, 4000x3000 (JPEG, 2-4 MB)
+  phone        the photo at a phone camera's 12 MP, 4000x3000 (JPEG, about 0.7 MB: an upscale, without grain)
   phone-page   that photo as the page uploads it under EAS's 1 MB cap: reduced to 1024 pixels a side (JPEG)
 With --baseline REV, the serve.py of that git revision is measured too, for comparison.
 Not part of the test suite (it needs the real MNIST files and a trained model).

@@ -12,8 +12,8 @@ reads it as MNIST framed its digits), sent as the body (curl --data-binary @digi
 form upload (curl -F file=@digit.png ...) or as JSON {"image": "<base64 or data: URL>"}; several
 images in a form or as {"images": [...]} answer {"predictions": [...]}. POST / is the same (EAS's SDK
 posts to the service's root). GET /health, and GET / a page.
-Errors are JSON: {"error": "..."} with the HTTP status. uvicorn serves, on --workers processes; it has
-no authentication: on EAS, the gateway checks the token. Limits and replies: docs/serving.md.
+Errors are JSON: {"error": "..."} with the HTTP status. Gunicorn runs --workers processes of uvicorn and replaces
+any that dies or hangs; no authentication: on EAS, the gateway checks the token. Limits, replies: docs/serving.md.
 """
 import argparse
 import asyncio
@@ -21,8 +21,8 @@ import base64
 import binascii
 import concurrent.futures
 import contextlib
-import email.parser
-import email.policy
+import email
+import email.message
 import errno
 import io
 import json
@@ -39,6 +39,13 @@ import traceback
 try:
     import torch
     import uvicorn
+    from PIL import Image
+    if sys.platform != 'win32':  # Gunicorn manages the worker processes where it runs: not on Windows
+        from gunicorn.app.base import BaseApplication
+        from gunicorn.arbiter import Arbiter
+        from uvicorn_worker import UvicornWorker
+    else:
+        BaseApplication = Arbiter = UvicornWorker = object  # unused: one process serves
 
     import common
     import framing
@@ -54,6 +61,7 @@ MAX_IMAGES = 16  # in one request
 MAX_HEAD_BYTES = 16384  # the request line and headers; more get uvicorn's 400
 MAX_WAITING = 256  # requests of a worker process waiting for its prediction threads; more get 503
 BODY_BUDGET = 8 * MAX_BODY_BYTES  # bytes of request bodies a worker process holds at once; more wait their turn
+QUICK_BYTES, QUICK_PIXELS = 65536, 28 * 28  # a body and its images this small are read on the event loop
 FORMS = ('send the image file as the body (curl --data-binary @digit.png), as a form upload (curl -F '
          'file=@digit.png), or as JSON {"image": "<base64 or data: URL>"}')
 ROUTES = {'/': ('GET', 'HEAD', 'POST'), '/predict': ('POST',), '/health': ('GET', 'HEAD')}  # POST /: EAS's SDK
@@ -106,6 +114,9 @@ def parse_args():
                         help='seconds a client may take to send a request body (default: %(default)s)')
     parser.add_argument('--deadline', type=common.positive(float), default=10,
                         help='seconds to answer a request once its body is in; then 503 or 504 (default: %(default)s)')
+    parser.add_argument('--worker-timeout', type=common.positive(int), default=30,
+                        help='seconds a worker process may stop answering (a stuck event loop, a stopped process) '
+                             'before it is killed and replaced (default: %(default)s)')
     parser.add_argument('--grace', type=common.positive(float), default=30,
                         help='seconds to finish the requests in progress on SIGTERM or Ctrl-C (default: %(default)s)')
     parser.add_argument('--predict', nargs='+', metavar='FILE', help='print the digit of each image and exit')
@@ -155,12 +166,7 @@ def predict(model, batch):
 def images_in(body, content_type):
     """The image files a request body carries, in any of the accepted forms, and whether several were asked for."""
     if content_type.split(';')[0].strip().lower() == 'multipart/form-data':
-        form = email.parser.BytesParser(policy=email.policy.HTTP).parsebytes(
-            b'Content-Type: ' + content_type.encode('latin-1') + b'\r\n\r\n' + body)
-        parts = form.iter_parts() if form.is_multipart() else []
-        files = [part.get_payload(decode=True) for part in parts
-                 if part.get_filename() is not None or part.get_content_maintype() == 'image']
-        files = [data for data in files if data]  # an empty file field is no image
+        files = form_files(body, content_type)
         if not files:
             raise Refused(400, f'the form holds no file; {FORMS}')
         return files, len(files) > 1
@@ -168,7 +174,7 @@ def images_in(body, content_type):
         try:
             fields = json.loads(body)
             images = fields['images'] if 'images' in fields else [fields['image']]
-            if not isinstance(images, list) or not all(isinstance(image, str) for image in images):
+            if not isinstance(images, list) or not images or not all(isinstance(image, str) for image in images):
                 raise TypeError
             return [base64.b64decode(image.partition('base64,')[2] if image.startswith('data:') else image)
                     for image in images], 'images' in fields
@@ -176,6 +182,29 @@ def images_in(body, content_type):
             raise Refused(400, f'the JSON body is not {{"image": "<base64>"}} nor {{"images": [...]}}; {FORMS}') \
                 from None
     return [body], False
+
+
+def form_files(body, content_type):
+    """The files of a multipart/form-data body (RFC 7578), as sent: its parts with a filename or an image type."""
+    header = email.message.Message()
+    header['content-type'] = content_type
+    boundary, files = str(header.get_param('boundary') or '').encode('latin-1'), []
+    for part in (b'\r\n' + body).split(b'\r\n--' + boundary)[1:] if boundary else []:
+        if part.startswith(b'--'):  # the closing delimiter
+            break
+        head, _, data = part.partition(b'\r\n\r\n')
+        fields = email.message_from_bytes(head.partition(b'\r\n')[2])  # the part's headers, past the delimiter
+        if data and (fields.get_filename() is not None or fields.get_content_maintype() == 'image'):
+            files.append(data)  # an empty file field is no image
+    return files
+
+
+def pixel_count(data):
+    """An image's pixels, from its header (nothing decoded), or 0 where it has none: then its error is as quick."""
+    try:
+        return math.prod(Image.open(io.BytesIO(data)).size)
+    except Exception:
+        return 0
 
 
 def read_image(data):
@@ -192,10 +221,9 @@ def read_image(data):
         raise Refused(400, str(e)) from None
 
 
-def answer(model, body, content_type, dropped, framed=False):
-    """The JSON reply to a POST /predict body, on a prediction thread; gives up once dropped (an Event) is set.
-    framed: each prediction also carries the 28x28 image the model read, as a PNG data: URL."""
-    images, several = images_in(body, content_type)
+def answer(model, images, several, dropped, framed=False):
+    """The JSON reply for a request's images; gives up once dropped (an Event) is set. framed: each prediction
+    also carries the 28x28 image the model read, as a PNG data: URL."""
     if len(images) > MAX_IMAGES:
         raise Refused(413, f'the request holds {len(images)} images; at most {MAX_IMAGES} are served at once')
     batch = []
@@ -220,16 +248,16 @@ class App:
     """The ASGI application of one worker process: routes and request forms; images are read and the model run
     on a pool of threads, within a budget of body bytes, a queue bound and a deadline."""
 
-    def __init__(self, model, args, in_progress):
-        self.model, self.args, self.in_progress = model, args, in_progress  # in_progress: a shared counter
+    def __init__(self, model, args, counts):
+        self.model, self.args, self.counts, self.slot = model, args, counts, 0  # counts: shared, a slot a process
         self.pool = concurrent.futures.ThreadPoolExecutor(args.threads, thread_name_prefix='predict')
-        self.waiting, self.budget, self.queued, self.room = 0, BODY_BUDGET, 0, asyncio.Condition()
+        self.waiting, self.budget, self.room = 0, BODY_BUDGET, asyncio.Condition()
 
     async def __call__(self, scope, receive, send):
         if scope['type'] != 'http':
             return
         started = time.perf_counter()
-        self.in_progress.value += 1
+        self.counts[self.slot] += 1
         try:
             status, body, headers = await self.respond(scope, receive)
         except Refused as e:
@@ -241,7 +269,7 @@ class App:
             sys.stderr.write(f'error: {type(e).__name__}: {e} at {os.path.basename(where.filename)}:{where.lineno}\n')
             status, body, headers = 500, {'error': f'the server failed on this request ({type(e).__name__})'}, {}
         finally:
-            self.in_progress.value -= 1
+            self.counts[self.slot] -= 1
         if status != 499:
             data = body if isinstance(body, bytes) else json.dumps(body).encode()
             headers = {'content-type': 'application/json', 'content-length': str(len(data)), **headers}
@@ -265,7 +293,7 @@ class App:
         if method not in ROUTES[path]:
             raise Refused(405, f'{path} takes {" or ".join(m for m in ROUTES[path] if m != "HEAD")}', allow=allow)
         if path == '/health':
-            return 200, {'status': 'ok', 'model': self.args.model}, {}
+            return 200, {'status': 'ok', 'model': self.args.model, 'pid': os.getpid()}, {}  # the worker's
         if method != 'POST':  # GET or HEAD /
             try:
                 with open(PAGE, 'rb') as f:
@@ -291,7 +319,6 @@ class App:
     async def body_room(self, size, deadline):
         """Hold size bytes of the body budget while a body is read and answered; wait for them until the deadline."""
         if self.budget < size:
-            self.queued += 1
             try:
                 async with self.room:
                     await asyncio.wait_for(self.room.wait_for(lambda: self.budget >= size),
@@ -299,34 +326,33 @@ class App:
             except asyncio.TimeoutError:
                 raise Refused(503, 'the server is busy reading other requests; try again shortly',
                               connection='close', **{'retry-after': '1'}) from None
-            finally:
-                self.queued -= 1
         self.budget -= size
         try:
             yield
         finally:
             self.budget += size
-            if self.queued:
-                async with self.room:
-                    self.room.notify_all()
+            async with self.room:
+                self.room.notify_all()
 
     async def run(self, body, content_type, framed, receive):
-        """The reply, from a prediction thread, dropped when the client goes or the deadline passes."""
+        """The reply: at once for MNIST-sized images (0.1 ms each, less than handing them to a thread costs), else
+        from a prediction thread, dropped when the client goes or the deadline passes."""
+        images = images_in(body, content_type) if len(body) <= QUICK_BYTES else None
+        dropped = threading.Event()
+        if images and all(pixel_count(image) <= QUICK_PIXELS for image in images[0]):
+            return answer(self.model, *images, dropped, framed)
         if self.waiting >= MAX_WAITING:
             raise Refused(503, f'{MAX_WAITING} requests are waiting already; try again shortly', **{'retry-after': '1'})
-        dropped = threading.Event()
-        job = self.pool.submit(answer, self.model, body, content_type, dropped, framed)
-        work, gone, quick = asyncio.wrap_future(job), None, min(0.05, self.args.deadline)
+        read = lambda: answer(self.model, *(images or images_in(body, content_type)), dropped, framed)  # noqa: E731
+        job = self.pool.submit(read)
+        work = asyncio.wrap_future(job)
+        gone = asyncio.ensure_future(receive())  # http.disconnect, once the client closes its connection
         self.waiting += 1
-        try:  # most answers come within 50 ms; one still at work then also watches for its client leaving
-            done, _ = await asyncio.wait({work}, timeout=quick)
-            if not done:
-                gone = asyncio.ensure_future(receive())  # http.disconnect, once the client closes its connection
-                done, _ = await asyncio.wait({work, gone}, timeout=self.args.deadline - quick,
-                                             return_when=asyncio.FIRST_COMPLETED)
-                gone.cancel()
+        try:
+            done, _ = await asyncio.wait({work, gone}, timeout=self.args.deadline, return_when=asyncio.FIRST_COMPLETED)
         finally:
             self.waiting -= 1
+            gone.cancel()
         if work in done:
             return work.result()
         dropped.set()
@@ -362,8 +388,12 @@ async def read_body(receive, deadline, timeout):
     finally:
         timer.cancel()
 
-def listen(host, port):
-    """A socket listening on host:port (IPv4 or IPv6), or SetupError in one line."""
+UVICORN = {'http': 'h11', 'h11_max_incomplete_event_size': MAX_HEAD_BYTES, 'ws': 'none', 'lifespan': 'off',
+           'access_log': False, 'server_header': False}  # h11: a parser with a bound on the head
+
+
+def check_address(host, port):
+    """Gunicorn's bind for host:port, once it is known to be free here (IPv4 or IPv6), or SetupError in one line."""
     if not 0 <= port <= 65535:
         raise common.SetupError(f'--port {port} is not a port: pass one from 1 to 65535 (or 0 for any free one).')
     try:
@@ -372,72 +402,91 @@ def listen(host, port):
     except socket.gaierror as e:
         raise common.SetupError(f'cannot listen on {host}: no such address on this machine ({e.strerror}); pass '
                                 f'--host 0.0.0.0 (every IPv4 address), :: (IPv6) or 127.0.0.1.') from None
-    sock = socket.socket(family, kind, proto)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind(address)
-        sock.listen(2048)  # bursts of new connections wait here, not in a SYN retry a second later
-    except OSError as e:
-        sock.close()
-        advice = ('pass another --port, or stop what is using it' if e.errno == errno.EADDRINUSE else
-                  'pass --host with an address of this machine, or 0.0.0.0')
-        raise common.SetupError(f'cannot listen on {host}:{port} ({e.strerror}); {advice}.') from None
-    return sock
+    with socket.socket(family, kind, proto) as probe:  # the server binds it once more, as Gunicorn does
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as e:
+            advice = ('pass another --port, or stop what is using it' if e.errno == errno.EADDRINUSE else
+                      'pass --host with an address of this machine, or 0.0.0.0')
+            raise common.SetupError(f'cannot listen on {host}:{port} ({e.strerror}); {advice}.') from None
+    return f'[{address[0]}]:{port}' if family == socket.AF_INET6 else f'{address[0]}:{port}'
 
 
-def server_of(model, args, in_progress):
-    """uvicorn, with its documented settings, serving App."""
-    return uvicorn.Server(uvicorn.Config(
-        App(model, args, in_progress), http='h11', h11_max_incomplete_event_size=MAX_HEAD_BYTES, ws='none',
-        lifespan='off', log_level='warning', access_log=False, server_header=False, timeout_keep_alive=60,
-        timeout_graceful_shutdown=args.grace))
+class Worker(UvicornWorker):
+    """A worker process of Gunicorn's serving App with uvicorn: h11 (its head bound), uvloop where installed."""
+    CONFIG_KWARGS = {'loop': 'auto', **UVICORN}
 
 
-def worker(model, args, sock, in_progress):
-    """A worker process: uvicorn on the shared socket, stopped by its own signals (SIGTERM from the first process)."""
-    torch.set_num_threads(1)
-    server_of(model, args, in_progress).run(sockets=[sock])
+class Master(Arbiter):
+    """Gunicorn's master process, saying what a stop waits for. Ctrl-C stops as gracefully as SIGTERM (Gunicorn's
+    own Ctrl-C drops the requests in progress); a second one stops at once."""
+
+    def handle_term(self):
+        self.stopping('SIGTERM')
+
+    def handle_int(self):
+        self.stopping('SIGINT')
+
+    def stopping(self, name):
+        print(f'Stopping on {name}: accepting no new connections, answering the requests in progress '
+              f'({sum(self.app.application.counts)}) within {self.cfg.graceful_timeout:g}s.', flush=True)
+        raise StopIteration  # Gunicorn's graceful stop
+
+
+class Service(BaseApplication):
+    """Gunicorn through its custom application API: the model is loaded once here and the worker processes forked
+    from this one (preload_app: they share its memory); a worker that dies, or whose event loop stops turning
+    for --worker-timeout seconds, is killed and replaced."""
+
+    def __init__(self, application, options):
+        self.application, self.options = application, options
+        super().__init__()
+
+    def load_config(self):
+        for key, value in self.options.items():
+            if key in self.cfg.settings:  # control_socket_disable: Gunicorn 25 and later
+                self.cfg.set(key, value)
+
+    def load(self):
+        return self.application
 
 
 def serve(model, args):
-    """Serve on --workers processes: this one and workers - 1 more, sharing one listening socket."""
-    sock = listen(args.host, args.port)
+    """Serve on --workers processes under Gunicorn; on Windows, where Gunicorn does not run, on this one."""
+    bind = check_address(args.host, args.port)
     torch.set_num_threads(1)  # a tiny model: one torch thread per request, requests on --threads threads
-    # fork on Linux (the processes share torch's memory; no thread runs yet), spawn where fork is unsafe or absent
-    context = multiprocessing.get_context('fork' if sys.platform == 'linux' else 'spawn')
-    in_progress = [context.RawValue('i', 0) for _ in range(args.workers)]
-    workers = [context.Process(target=worker, args=(model, args, sock, count), daemon=True)
-               for count in in_progress[1:]]
-    for process in workers:
-        process.start()
-    server = server_of(model, args, in_progress[0])
-    thread = threading.Thread(target=server.run, kwargs={'sockets': [sock]})  # signals stay with this thread
+    app = App(model, args, multiprocessing.RawArray('i', args.workers + 8))  # requests in progress, by worker
+    if sys.platform == 'win32':
+        server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, timeout_keep_alive=60,
+                                               timeout_graceful_shutdown=args.grace, log_level='warning', **UVICORN))
+        sock = server.config.bind_socket()
+        sock.listen(2048)  # connections wait from now on, not from when uvicorn's loop starts
+        print(serving_line(args.model, sock.getsockname(), 1), flush=True)
+        with contextlib.suppress(KeyboardInterrupt):  # uvicorn raises the signal again once it has stopped
+            server.run(sockets=[sock])
+        return 0
 
-    def stop(sig, frame):
-        if not server.should_exit:
-            print(f'Stopping on {signal.Signals(sig).name}: accepting no new connections, answering the requests '
-                  f'in progress ({sum(count.value for count in in_progress)}) within {args.grace:g}s.', flush=True)
-        server.should_exit = True
-        for process in workers:
-            if process.is_alive():
-                os.kill(process.pid, signal.SIGTERM)
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, stop)
-    thread.start()
-    host, port = sock.getsockname()[:2]
-    print(f'Serving {args.model} on http://{f"[{host}]" if ":" in host else host}:{port} with {args.workers} worker '
-          f'process{"es" * (args.workers > 1)}: POST /predict, GET /health, and a page to try it at /', flush=True)
-    reported = set()
-    while thread.is_alive():
-        thread.join(0.5)
-        for process in workers:
-            if process.exitcode not in (None, 0) and process.pid not in reported and not server.should_exit:
-                reported.add(process.pid)
-                print(f'warning: worker process {process.pid} ended with exit code {process.exitcode}; the others '
-                      f'go on serving', file=sys.stderr, flush=True)
-    for process in workers:
-        process.join(args.grace + 5)
+    def pre_fork(arbiter, worker):  # a slot of the counts for each worker, reused once its worker has gone
+        taken = {other.slot for other in arbiter.WORKERS.values()}
+        worker.slot = next(k for k in range(len(app.counts)) if k not in taken)
+        app.counts[worker.slot] = 0
+
+    def post_fork(arbiter, worker):
+        app.slot = worker.slot
+    options = {'bind': [bind], 'workers': args.workers, 'worker_class': Worker, 'preload_app': True,
+               'timeout': args.worker_timeout, 'graceful_timeout': math.ceil(args.grace), 'keepalive': 60,
+               'backlog': 2048, 'loglevel': 'warning', 'control_socket_disable': True, 'pre_fork': pre_fork,
+               'post_fork': post_fork, 'when_ready': lambda arbiter: print(serving_line(
+                   args.model, arbiter.LISTENERS[0].sock.getsockname(), args.workers), flush=True)}
+    Master(Service(app, options)).run()
     return 0
+
+
+def serving_line(model, address, workers):
+    host, port = address[:2]
+    return (f'Serving {model} on http://{f"[{host}]" if ":" in host else host}:{port} with {workers} worker '
+            f'process{"es" * (workers > 1)}: POST /predict, GET /health, and a page to try it at /')
 
 
 def main(args):

@@ -56,7 +56,9 @@ def forward(model_file, images):
 
 
 def healthy(url):
-    assert request(url + '/health') == (200, {'status': 'ok', 'model': request(url + '/health')[1]['model']})
+    status, reply = request(url + '/health')
+    assert (status, reply['status'], set(reply)) == (200, 'ok', {'status', 'model', 'pid'}), reply
+    assert isinstance(reply['pid'], int) and reply['model'].endswith('.pth')
 
 
 def test_predictions_equal_the_models_own(server, model_file, mnist_dir):

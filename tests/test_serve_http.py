@@ -1,9 +1,11 @@
 """serve.py as a service under real traffic: the request forms clients send, HTTP at its edges, slow and
 bursty clients, large images, redeploys (signals) and start-up errors. Real sockets, a real server process."""
 import base64
+import contextlib
 import http.client
 import io
 import json
+import os
 import re
 import shutil
 import signal
@@ -41,8 +43,33 @@ def no_server_left():
     while STARTED:
         proc = STARTED.pop()
         if proc.poll() is None:
+            for pid in workers_of(proc):  # a worker outlives a killed master (and a stopped one waits for ever)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
             proc.kill()
             proc.wait(timeout=30)
+
+
+def workers_of(proc):
+    """The worker processes' ids: the children of Gunicorn's master process."""
+    try:
+        return {int(pid) for pid in open(f'/proc/{proc.pid}/task/{proc.pid}/children').read().split()}
+    except FileNotFoundError:
+        return set()
+
+
+def answering(port, count):
+    """The worker processes that answer GET /health on new connections, once count of them have."""
+    seen = set()
+    for _ in range(400):
+        connection = http.client.HTTPConnection('127.0.0.1', port, timeout=30)
+        connection.request('GET', '/health')
+        response = connection.getresponse()
+        assert response.status == 200
+        seen.add(json.loads(response.read())['pid'])
+        if len(seen) == count:
+            return seen
+    raise AssertionError(f'only {seen} answered 400 requests')
 
 
 @pytest.fixture(scope='module')
@@ -264,7 +291,8 @@ def test_a_body_has_one_deadline_however_slowly_it_trickles(server):
 
 def test_connections_cost_no_threads_and_bursts_are_not_dropped(server):
     port, proc, _ = server
-    threads = lambda: int(re.search(r'^Threads:\s+(\d+)', open(f'/proc/{proc.pid}/status').read(), re.M).group(1))
+    threads = lambda: sum(int(re.search(r'^Threads:\s+(\d+)', open(f'/proc/{pid}/status').read(), re.M).group(1))
+                          for pid in {proc.pid} | workers_of(proc))  # Gunicorn's master and its workers
     before = threads()
     held = [socket.create_connection(('127.0.0.1', port), timeout=30) for _ in range(200)]
     for s in held:
@@ -427,6 +455,63 @@ def test_a_stop_answers_the_requests_in_progress_then_exits_0(model_file, sig, n
         assert idle.recv(100) == b'', 'an idle kept-alive connection is closed'
     assert proc.wait(timeout=30) == 0
     assert 'Traceback' not in reader.rest()
+
+
+@pytest.mark.skipif(sys.platform != 'linux', reason='reads the worker processes from /proc')
+def test_a_killed_worker_is_replaced_and_every_request_after_it_is_answered(model_file):
+    """kill -9 of a worker, as the kernel's OOM killer does: Gunicorn starts another."""
+    proc, reader, port = serve(model_file, '--workers', '2')
+    before = answering(port, 2)
+    assert before == workers_of(proc)
+    victim = min(before)
+    os.kill(victim, signal.SIGKILL)
+    statuses, deadline = [], time.monotonic() + 30
+    while victim in workers_of(proc) or len(workers_of(proc)) < 2:  # every request from the kill on
+        assert time.monotonic() < deadline, f'no second worker 30 s after the kill: {workers_of(proc)}'
+        statuses.append(post(port, png(1))[0])
+    statuses += [post(port, png(k))[0] for k in range(20)]
+    assert set(statuses) == {200}, statuses
+    after = answering(port, 2)
+    assert victim not in after and after == workers_of(proc), 'the new worker answers too'
+    assert f'Worker (pid:{victim}) was sent SIGKILL!' in reader.wait_for(lambda line: f'(pid:{victim})' in line)
+
+
+@pytest.mark.skipif(sys.platform != 'linux', reason='reads the worker processes from /proc')
+def test_a_stopped_worker_is_killed_and_replaced_while_the_other_answers(model_file):
+    """kill -STOP of a worker, as a worker whose event loop hangs: past --worker-timeout Gunicorn kills it and starts
+    another; the other answers every request meanwhile."""
+    proc, reader, port = serve(model_file, '--workers', '2', '--worker-timeout', '3')
+    victim = min(answering(port, 2))
+    os.kill(victim, signal.SIGSTOP)
+    try:
+        statuses, deadline = [], time.monotonic() + 60
+        while victim in workers_of(proc) or len(workers_of(proc)) < 2:
+            assert time.monotonic() < deadline, 'the stopped worker still there after 60 s'
+            statuses.append(post(port, png(1))[0])  # a new connection each: only a running worker accepts it
+            time.sleep(0.05)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(victim, signal.SIGKILL)
+    assert set(statuses) == {200} and len(statuses) > 10, statuses
+    assert reader.wait_for(lambda line: 'WORKER TIMEOUT' in line).endswith(f'WORKER TIMEOUT (pid:{victim})\n')
+    assert victim not in answering(port, 2)
+
+
+def test_where_gunicorn_does_not_run_one_process_serves(model_file):
+    """Windows (no Gunicorn, no fork): serve.py serves from its own process with uvicorn; here on Linux, told it
+    is on Windows once torch and uvicorn are imported."""
+    port = free_port()
+    code = ('import multiprocessing.sharedctypes, runpy, sys, torch, uvicorn; sys.platform = "win32"; '
+            'sys.argv[0] = sys.argv[1]; del sys.argv[1]; runpy.run_path(sys.argv[0], run_name="__main__")')
+    proc, reader = start([sys.executable, '-c', code, SERVE, '--model', model_file, '--port', str(port)])
+    STARTED.append(proc)
+    assert reader.wait_for(lambda line: line.startswith('Serving'), timeout=60) == (
+        f'Serving {model_file} on http://127.0.0.1:{port} with 1 worker process: POST /predict, GET /health, and a '
+        f'page to try it at /\n')
+    assert post(port, png(1)) == (200, expected(model_file, png(1))[0])
+    assert workers_of(proc) == set() and answering(port, 1) == {proc.pid}
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=30) == 0
 
 
 @pytest.mark.parametrize('flags, message', [

@@ -11,8 +11,10 @@ alternate, each round. Not part of the test suite.
 """
 import argparse
 import base64
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -20,7 +22,7 @@ import time
 
 import torch
 
-from bench_serve import ROOT, in_threads, model_or_fresh, pngs  # beside this file
+from bench_serve import ROOT, baseline_serve, in_threads, model_or_fresh, pngs, tree_pss  # beside this file
 
 LITSERVE_APP = '''
 import base64, os, sys
@@ -35,7 +37,8 @@ class MNIST(ls.LitAPI):
         self.model = serve.load_model({model!r})
 
     def decode_request(self, request):
-        return framing.to_tensor(base64.b64decode(request['image']))[0]
+        data = request['file'].file.read() if 'file' in request else base64.b64decode(request['image'])
+        return framing.to_tensor(data)[0]
 
     def batch(self, inputs):
         return torch.stack(inputs)
@@ -57,10 +60,44 @@ if __name__ == '__main__':
 '''
 
 
+FASTAPI_APP = '''
+import base64, sys
+import torch
+from fastapi import FastAPI, File, UploadFile
+sys.path.insert(0, {root!r})
+import framing, serve
+
+torch.set_num_threads(1)
+model = serve.load_model({model!r})
+app = FastAPI()
+
+
+def reply(data):
+    digits, probabilities = serve.predict(model, framing.to_tensor(data))
+    return {{'digit': digits[0], 'probabilities': [round(p, 6) for p in probabilities[0]]}}
+
+
+@app.post('/predict')
+def predict(file: UploadFile = File(...)):
+    return reply(file.file.read())
+
+
+@app.post('/predict-json')
+def predict_json(body: dict):
+    return reply(base64.b64decode(body['image']))
+
+
+@app.get('/health')
+def health():
+    return {{'status': 'ok'}}
+'''
+
+
 def start(command, port):
     # In a folder of its own: nothing a server writes where it runs lands in the project
-    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=tempfile.gettempdir())
-    for _ in range(600):  # ready when it answers
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=tempfile.gettempdir(),
+                            start_new_session=True)  # its process group: stop() ends its workers too
+    for _ in range(1800):  # ready when it answers
         try:
             import http.client
             connection = http.client.HTTPConnection('127.0.0.1', port, timeout=5)
@@ -69,59 +106,102 @@ def start(command, port):
                 return proc
         except OSError:
             time.sleep(0.1)
-    proc.kill()
+    stop(proc)
     raise SystemExit(f'{command} did not start')
 
 
-def rates(port, bodies, requests):
+def stop(proc):
+    proc.terminate()
+    try:
+        proc.wait(timeout=60)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # whatever of it is left
+
+
+def phases(port, bodies, seconds, path):
+    """The figures clients see, each phase for `seconds`: one client's median latency (kept alive), requests per
+    second of 4 and of 16 clients kept alive, and of 16 clients opening a new connection for each request."""
     import http.client
 
     def ask(connection, body):
-        connection.request('POST', '/predict', body=body, headers={'Content-Type': 'application/json'})
+        connection.request('POST', path, body=body[0], headers=body[1])
         response = connection.getresponse()
         assert response.status == 200, (response.status, response.read())
         json.loads(response.read())
 
-    def new_connections(k):
-        for i in range(requests // 16):
-            connection = http.client.HTTPConnection('127.0.0.1', port, timeout=30)
-            ask(connection, bodies[(k + i) % len(bodies)])
-            connection.close()
+    def run(clients, kept_alive):
+        counts, latencies, end = [0] * clients, [], time.perf_counter() + seconds
 
-    def kept_alive(k):
-        connection = http.client.HTTPConnection('127.0.0.1', port, timeout=30)
-        for i in range(requests // 4):
-            ask(connection, bodies[(k + i) % len(bodies)])
+        def client(k):
+            connection = http.client.HTTPConnection('127.0.0.1', port, timeout=30)
+            while time.perf_counter() < end:
+                if not kept_alive:
+                    connection = http.client.HTTPConnection('127.0.0.1', port, timeout=30)
+                started = time.perf_counter()
+                ask(connection, bodies[(k + counts[k]) % len(bodies)])
+                latencies.append(time.perf_counter() - started)
+                counts[k] += 1
+                if not kept_alive:
+                    connection.close()
+        elapsed = in_threads(clients, client)
+        return sum(counts) / elapsed, sorted(latencies)[len(latencies) // 2]
     for body in bodies[:50]:  # warm-up
         ask(http.client.HTTPConnection('127.0.0.1', port, timeout=30), body)
-    return requests // 16 * 16 / in_threads(16, new_connections), requests // 4 * 4 / in_threads(4, kept_alive)
+    return {'p50': run(1, True)[1], '4 kept': run(4, True)[0], '16 kept': run(16, True)[0], '16 new': run(16, False)[0]}
+
+
+def multipart(png):
+    boundary = 'bench-boundary-7MA4YWxkTrZu0gW'
+    body = (f'--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="digit.png"\r\nContent-Type: '
+            f'image/png\r\n\r\n').encode() + png + f'\r\n--{boundary}--\r\n'.encode()
+    return body, {'Content-Type': f'multipart/form-data; boundary={boundary}'}
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     parser.add_argument('--model', help='best_model.pth to serve (default: a freshly initialised model)')
     parser.add_argument('--data-dir', help='torchvision root holding MNIST/raw (default: made-up images)')
-    parser.add_argument('--requests', type=int, default=4000, help='requests in each part (default: 4000)')
-    parser.add_argument('--rounds', type=int, default=2, help='rounds, alternating servers (default: 2)')
+    parser.add_argument('--seconds', type=float, default=8, help='seconds each phase runs (default: 8)')
+    parser.add_argument('--rounds', type=int, default=3, help='rounds, alternating servers (default: 3)')
+    parser.add_argument('--form', choices=('multipart', 'json'), default='multipart',
+                        help='request bodies: a form upload, or JSON with base64 (default: multipart)')
+    parser.add_argument('--baseline', metavar='REV', help='also measure the serve.py of this git revision')
+    parser.add_argument('--only', nargs='+', help='measure only these servers (default: all)')
     args = parser.parse_args()
     model = os.path.abspath(model_or_fresh(args.model))  # the servers run in a folder of their own
-    bodies = [json.dumps({'image': base64.b64encode(png).decode()}).encode() for png in pngs(args.data_dir, 100)]
-    app = os.path.join(tempfile.mkdtemp(), 'litserve_app.py')
-    with open(app, 'w') as f:
-        f.write(LITSERVE_APP.format(root=ROOT, model=model, port=8765))
-    servers = {'serve.py': ([sys.executable, os.path.join(ROOT, 'serve.py'), '--model', model, '--port', '8764'], 8764),
-               'LitServe': ([sys.executable, app], 8765)}
-    print(f'{os.cpu_count()} CPU cores, torch {torch.__version__}, {args.requests} requests a part', flush=True)
+    images = pngs(args.data_dir, 100)
+    bodies = ([multipart(png) for png in images] if args.form == 'multipart' else
+              [(json.dumps({'image': base64.b64encode(png).decode()}).encode(), {'Content-Type': 'application/json'})
+               for png in images])
+    folder = tempfile.mkdtemp()
+    for name, source in (('litserve_app.py', LITSERVE_APP), ('fastapi_app.py', FASTAPI_APP)):
+        with open(os.path.join(folder, name), 'w') as f:
+            f.write(source.format(root=ROOT, model=model, port=8765))
+    servers = {'serve.py': ([sys.executable, os.path.join(ROOT, 'serve.py'), '--model', model, '--port', '8764'],
+                            8764, '/predict'),
+               'LitServe': ([sys.executable, os.path.join(folder, 'litserve_app.py')], 8765, '/predict'),
+               'FastAPI': ([sys.executable, '-m', 'uvicorn', 'fastapi_app:app', '--app-dir', folder, '--workers', '2',
+                            '--http', 'httptools', '--no-access-log', '--log-level', 'warning', '--port', '8766'],
+                           8766, '/predict' if args.form == 'multipart' else '/predict-json')}
+    if args.baseline:
+        servers[f'serve.py at {args.baseline}'] = ([sys.executable, baseline_serve(args.baseline), '--model', model,
+                                                     '--port', '8767'], 8767, '/predict')
+    servers = {name: server for name, server in servers.items() if not args.only or name in args.only}
+    print(f'{os.cpu_count()} CPU cores, torch {torch.__version__}, {args.form} bodies, {args.seconds:g} s a phase',
+          flush=True)
     for round in range(args.rounds):
-        for name, (command, port) in servers.items():
+        for name, (command, port, path) in servers.items():
             proc = start(command, port)
             try:
-                new, kept = rates(port, bodies, args.requests)
+                time.sleep(2)  # every worker process started
+                idle = tree_pss(proc.pid)
+                f = phases(port, bodies, args.seconds, path)
             finally:
-                proc.terminate()
-                proc.wait()
-            print(f'round {round + 1}, {name:9s} 16 clients, new connections: {new:5.0f} requests/s; '
-                  f'4 clients, kept alive: {kept:5.0f} requests/s', flush=True)
+                stop(proc)
+            print(f'round {round + 1}, {name:20s} one client p50 {f["p50"] * 1000:5.2f} ms; requests/s: 4 kept alive '
+                  f'{f["4 kept"]:5.0f}, 16 kept alive {f["16 kept"]:5.0f}, 16 new connections {f["16 new"]:5.0f}; '
+                  f'idle {idle / 2**20:4.0f} MiB', flush=True)
 
 
 if __name__ == '__main__':

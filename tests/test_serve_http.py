@@ -366,8 +366,9 @@ def test_eight_largest_images_at_once_stay_under_the_memory_bound(model_file):
 
 @pytest.mark.one_leg  # 2 GB through loopback
 def test_200_clients_sending_10_mb_each_stay_under_the_memory_bound(model_file):
-    """Bodies wait for room in each worker's budget of body bytes, unread (uvicorn stops reading them)."""
-    proc, reader, port = serve(model_file, '--workers', '2')
+    """Bodies wait for room in each worker's budget of body bytes, unread (uvicorn stops reading them). 2 GB take
+    about 20 s on an idle 2-core machine: --timeout 120, so that a loaded one gets no 408 for its slowness."""
+    proc, reader, port = serve(model_file, '--workers', '2', '--timeout', '120')
     body = png(7) + bytes(10 * 2**20 - len(png(7)))  # a PNG, then padding to 10 MB: Pillow reads the PNG
     statuses = []
 

@@ -29,7 +29,6 @@ import json
 import math
 import multiprocessing
 import os
-import signal
 import socket
 import sys
 import threading
@@ -474,6 +473,8 @@ def serve(model, args):
 
     def post_fork(arbiter, worker):
         app.slot = worker.slot
+        torch.set_num_threads(1)
+
     options = {'bind': [bind], 'workers': args.workers, 'worker_class': Worker, 'preload_app': True,
                'timeout': args.worker_timeout, 'graceful_timeout': math.ceil(args.grace), 'keepalive': 60,
                'backlog': 2048, 'loglevel': 'warning', 'control_socket_disable': True, 'pre_fork': pre_fork,

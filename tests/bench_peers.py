@@ -1,13 +1,16 @@
-"""serve.py beside LitServe in its recommended CPU set-up, as clients see them: requests per second with 16
-clients that each open a new connection per request, and with 4 on kept-alive connections.
+"""serve.py beside its peers, as clients see them: one client's median latency, requests per second of 4 and of
+16 clients on kept-alive connections and of 16 that open a new connection per request, and idle memory.
 
-    PYTHONPATH=DIR python tests/bench_peers.py [--model best_model.pth] [--requests 4000] [--rounds 2]
-    (DIR: where `pip install --target DIR litserve` put LitServe, kept out of the project's environment)
+    PYTHONPATH=DIR python tests/bench_peers.py [--model M] [--data-dir DIR] [--seconds 8] [--rounds 3]
+        [--form multipart|json] [--baseline REV] [--only NAME ...]
+    (DIR: where `pip install --target DIR litserve fastapi httptools python-multipart` put the peers, kept
+    out of the project's environment)
 
-Both serve the same model and read the same JSON bodies ({"image": "<base64 PNG>"}: a 28x28 MNIST-style
-image) with framing.py: LitServe with batching (max_batch_size 16, batch_timeout 5 ms), one worker per
-CPU core (workers_per_device), fast_queue, torch at one thread; serve.py with its defaults. The servers
-alternate, each round. Not part of the test suite.
+All serve the same model with framing.py and get the same bodies (a form upload of a 28x28 MNIST-style PNG,
+or JSON {"image": "<base64>"}): serve.py with its defaults; LitServe with batching (max_batch_size 16,
+batch_timeout 5 ms), one worker per CPU core, fast_queue, torch at one thread; a plain FastAPI app on
+`uvicorn --workers 2 --http httptools`; with --baseline, the serve.py of that git revision. The servers
+alternate, each round; each phase runs --seconds. Not part of the test suite.
 """
 import argparse
 import base64

@@ -156,10 +156,10 @@ class Refused(Exception):
 
 
 def predict(model, batch):
-    """Digits and probabilities for a batch of preprocessed images."""
+    """Digits and probabilities for a batch of preprocessed images (each digit the first most probable, as argmax)."""
     with torch.inference_mode():
-        probabilities = torch.softmax(model(batch), dim=1)
-    return probabilities.argmax(dim=1).tolist(), probabilities.tolist()
+        probabilities = torch.softmax(model(batch), dim=1).tolist()
+    return [p.index(max(p)) for p in probabilities], probabilities
 
 
 def images_in(body, content_type):

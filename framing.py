@@ -13,14 +13,26 @@ format (only inverted if dark on light): an MNIST test image gives bit for bit t
 validate on. Errors: NotAnImage, Damaged and TooLarge (all ValueErrors), and NoDigit for a blank
 picture. The cost is bounded whatever the size: the digit is found on a copy at most WORK_SIDE pixels
 a side, and read from a crop around it reduced to the same size.
+
+Its last part is the model's side of serving, without a server (serve.py runs it on Gunicorn and uvicorn;
+any other server can too): load_model, images_in (the images a request body carries: the file itself, a
+form, JSON), answer (the JSON reply for them), and Refused, a request that cannot be served, with its
+HTTP status.
 """
+import base64
+import binascii
+import email
+import email.message
 import io
+import json
 import math
 
 import torch
 import torch.nn.functional as F
 from PIL import Image, ImageOps, UnidentifiedImageError
 from torchvision import transforms
+
+import common
 
 # The training data's preprocessing, as in the document
 transform = transforms.Compose([
@@ -243,3 +255,130 @@ def frame(ink, smooth):
     canvas[MNIST_BOX + y:MNIST_BOX + y + size[0], MNIST_BOX + x:MNIST_BOX + x + size[1]] = digit
     pixels = canvas[MNIST_BOX:MNIST_BOX + 28, MNIST_BOX:MNIST_BOX + 28].mul(255).round().to(torch.uint8)
     return Image.frombytes('L', (28, 28), bytes(pixels.flatten().tolist()))
+
+
+# === Serving: a request's images, the model, its answer (serve.py is the server around them) =============
+
+MAX_IMAGES = 16  # in one request
+FORMS = ('send the image file as the body (curl --data-binary @digit.png), as a form upload (curl -F '
+         'file=@digit.png), or as JSON {"image": "<base64 or data: URL>"}')
+
+
+def load_model(path):
+    """The trained SimpleCNN in eval mode, or SetupError: weights only, no arbitrary objects unpickled."""
+    advice = 'pass --model with a best_model.pth written by mnist_train.py or mnist_train_distributed.py'
+    try:
+        state = torch.load(path, map_location='cpu', weights_only=True)
+    except FileNotFoundError:
+        raise common.SetupError(f'there is no model at {path}: train one first (python mnist_train.py writes '
+                                f'<output-dir>/best_model.pth) and pass it with --model.') from None
+    except Exception as e:  # not a torch file, a truncated one, one that holds more than weights
+        raise common.SetupError(f'cannot load {path}: it is not a file of model weights ({type(e).__name__}); '
+                                f'{advice}.') from None
+    try:
+        if isinstance(state, dict) and 'model' in state:  # checkpoint.pth works too
+            state = state['model']
+        state = {key.removeprefix('module.'): value for key, value in state.items()}  # a DDP model's own save
+        model = common.SimpleCNN()
+        model.load_state_dict(state)
+    except Exception as e:  # another model's weights
+        reason = f'{type(e).__name__}: {e}'.splitlines()[0][:200]
+        raise common.SetupError(f'cannot load {path}: it holds the weights of another model ({reason}); '
+                                f'{advice}.') from None
+    return model.eval()
+
+
+class Refused(Exception):
+    """A request that cannot be served: .status is the HTTP status to answer with, .headers go with it."""
+
+    def __init__(self, status, message, **headers):
+        super().__init__(message)
+        self.status, self.headers = status, headers
+
+
+def predict(model, batch):
+    """Digits and probabilities for a batch of preprocessed images (each digit the first most probable, as argmax)."""
+    with torch.inference_mode():
+        probabilities = torch.softmax(model(batch), dim=1).tolist()
+    return [p.index(max(p)) for p in probabilities], probabilities
+
+
+def images_in(body, content_type):
+    """The image files a request body carries, in any of the accepted forms, and whether several were asked for."""
+    if content_type.split(';')[0].strip().lower() == 'multipart/form-data':
+        files = form_files(body, content_type)
+        if not files:
+            raise Refused(400, f'the form holds no file; {FORMS}')
+        return files, len(files) > 1
+    if body.lstrip()[:1] == b'{':  # JSON, whatever its Content-Type (curl -d says form-urlencoded)
+        try:
+            fields = json.loads(body)
+            images = fields['images'] if 'images' in fields else [fields['image']]
+            if not isinstance(images, list) or not images or not all(isinstance(image, str) for image in images):
+                raise TypeError
+            return [base64.b64decode(image.partition('base64,')[2] if image.startswith('data:') else image)
+                    for image in images], 'images' in fields
+        except (ValueError, KeyError, TypeError, binascii.Error):
+            raise Refused(400, f'the JSON body is not {{"image": "<base64>"}} nor {{"images": [...]}}; {FORMS}') \
+                from None
+    return [body], False
+
+
+def form_files(body, content_type):
+    """The files of a multipart/form-data body (RFC 7578), as sent: its parts with a filename or an image type."""
+    header = email.message.Message()
+    header['content-type'] = content_type
+    boundary, files = str(header.get_param('boundary') or '').encode('latin-1'), []
+    for part in (b'\r\n' + body).split(b'\r\n--' + boundary)[1:] if boundary else []:
+        if part.startswith(b'--'):  # the closing delimiter
+            break
+        head, _, data = part.partition(b'\r\n\r\n')
+        fields = email.message_from_bytes(head.partition(b'\r\n')[2])  # the part's headers, past the delimiter
+        if data and (fields.get_filename() is not None or fields.get_content_maintype() == 'image'):
+            files.append(data)  # an empty file field is no image
+    return files
+
+
+def pixel_count(data):
+    """An image's pixels, from its header (nothing decoded), or 0 where it has none: then its error is as quick."""
+    try:
+        return math.prod(Image.open(io.BytesIO(data)).size)
+    except Exception:
+        return 0
+
+
+def read_image(data):
+    """One image as MNIST framed its digits (a 28x28 'L' image), or Refused with the status its problem gets."""
+    try:
+        return to_mnist(data)
+    except NotAnImage as e:
+        raise Refused(400, f'the body is {e}; {FORMS}') from None
+    except TooLarge as e:
+        raise Refused(413, str(e)) from None
+    except NoDigit as e:
+        raise Refused(422, str(e)) from None
+    except ValueError as e:  # Damaged
+        raise Refused(400, str(e)) from None
+
+
+def answer(model, images, several, dropped, framed=False):
+    """The JSON reply for a request's images; gives up once dropped (an Event) is set. framed: each prediction
+    also carries the 28x28 image the model read, as a PNG data: URL."""
+    if len(images) > MAX_IMAGES:
+        raise Refused(413, f'the request holds {len(images)} images; at most {MAX_IMAGES} are served at once')
+    batch = []
+    for k, image in enumerate(images):
+        if dropped.is_set():  # past the deadline, or the client has gone: nobody reads the answer
+            return None
+        try:
+            batch.append(read_image(image))
+        except Refused as e:
+            e.args = (f'image {k + 1} of {len(images)}: {e}',) if several else e.args
+            raise
+    digits, probabilities = predict(model, torch.cat([mnist_tensor(image) for image in batch]))
+    replies = [{'digit': d, 'probabilities': [round(p, 6) for p in ps]} for d, ps in zip(digits, probabilities)]
+    for reply, image in zip(replies, batch if framed else []):
+        png = io.BytesIO()
+        image.save(png, 'PNG')
+        reply['framed'] = 'data:image/png;base64,' + base64.b64encode(png.getvalue()).decode()
+    return {'predictions': replies} if several else replies[0]

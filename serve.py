@@ -17,14 +17,9 @@ any that dies or hangs; no authentication: on EAS, the gateway checks the token.
 """
 import argparse
 import asyncio
-import base64
-import binascii
 import concurrent.futures
 import contextlib
-import email
-import email.message
 import errno
-import io
 import json
 import math
 import multiprocessing
@@ -38,7 +33,6 @@ import traceback
 try:
     import torch
     import uvicorn
-    from PIL import Image
     if sys.platform != 'win32':  # Gunicorn manages the worker processes where it runs: not on Windows
         from gunicorn.app.base import BaseApplication
         from gunicorn.arbiter import Arbiter
@@ -48,6 +42,7 @@ try:
 
     import common
     import framing
+    from framing import FORMS, Refused
 except ModuleNotFoundError as e:
     if e.name in ('common', 'framing'):  # the script uploaded alone
         sys.exit(f'error: {e.name}.py is missing: upload it beside {os.path.abspath(__file__)} (on DLC, to the same '
@@ -56,13 +51,10 @@ except ModuleNotFoundError as e:
     sys.exit(f'error: serve.py needs {e.name}: pip install -r {requirements} (./run_local.sh serve installs it).')
 
 MAX_BODY_BYTES = 10 * 1024 * 1024
-MAX_IMAGES = 16  # in one request
 MAX_HEAD_BYTES = 16384  # the request line and headers; more get uvicorn's 400
 MAX_WAITING = 256  # requests of a worker process waiting for its prediction threads; more get 503
 BODY_BUDGET = 8 * MAX_BODY_BYTES  # bytes of request bodies a worker process holds at once; more wait their turn
 QUICK_BYTES, QUICK_PIXELS = 65536, 28 * 28  # a body and its images this small are read on the event loop
-FORMS = ('send the image file as the body (curl --data-binary @digit.png), as a form upload (curl -F '
-         'file=@digit.png), or as JSON {"image": "<base64 or data: URL>"}')
 ROUTES = {'/': ('GET', 'HEAD', 'POST'), '/predict': ('POST',), '/health': ('GET', 'HEAD')}  # POST /: EAS's SDK
 CGROUP = '/sys/fs/cgroup'  # a Linux container's own CPU limits, where it has them
 PAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'page', 'index.html')  # GET /: try the model
@@ -121,126 +113,6 @@ def parse_args():
     parser.add_argument('--predict', nargs='+', metavar='FILE', help='print the digit of each image and exit')
     parser.add_argument('--debug', action='store_true', help='show tracebacks for start-up errors (default: off)')
     return parser.parse_args()
-
-
-def load_model(path):
-    """The trained SimpleCNN in eval mode, or SetupError: weights only, no arbitrary objects unpickled."""
-    advice = 'pass --model with a best_model.pth written by mnist_train.py or mnist_train_distributed.py'
-    try:
-        state = torch.load(path, map_location='cpu', weights_only=True)
-    except FileNotFoundError:
-        raise common.SetupError(f'there is no model at {path}: train one first (python mnist_train.py writes '
-                                f'<output-dir>/best_model.pth) and pass it with --model.') from None
-    except Exception as e:  # not a torch file, a truncated one, one that holds more than weights
-        raise common.SetupError(f'cannot load {path}: it is not a file of model weights ({type(e).__name__}); '
-                                f'{advice}.') from None
-    try:
-        if isinstance(state, dict) and 'model' in state:  # checkpoint.pth works too
-            state = state['model']
-        state = {key.removeprefix('module.'): value for key, value in state.items()}  # a DDP model's own save
-        model = common.SimpleCNN()
-        model.load_state_dict(state)
-    except Exception as e:  # another model's weights
-        reason = f'{type(e).__name__}: {e}'.splitlines()[0][:200]
-        raise common.SetupError(f'cannot load {path}: it holds the weights of another model ({reason}); '
-                                f'{advice}.') from None
-    return model.eval()
-
-
-class Refused(Exception):
-    """A request that cannot be served: .status is the HTTP status to answer with, .headers go with it."""
-
-    def __init__(self, status, message, **headers):
-        super().__init__(message)
-        self.status, self.headers = status, headers
-
-
-def predict(model, batch):
-    """Digits and probabilities for a batch of preprocessed images (each digit the first most probable, as argmax)."""
-    with torch.inference_mode():
-        probabilities = torch.softmax(model(batch), dim=1).tolist()
-    return [p.index(max(p)) for p in probabilities], probabilities
-
-
-def images_in(body, content_type):
-    """The image files a request body carries, in any of the accepted forms, and whether several were asked for."""
-    if content_type.split(';')[0].strip().lower() == 'multipart/form-data':
-        files = form_files(body, content_type)
-        if not files:
-            raise Refused(400, f'the form holds no file; {FORMS}')
-        return files, len(files) > 1
-    if body.lstrip()[:1] == b'{':  # JSON, whatever its Content-Type (curl -d says form-urlencoded)
-        try:
-            fields = json.loads(body)
-            images = fields['images'] if 'images' in fields else [fields['image']]
-            if not isinstance(images, list) or not images or not all(isinstance(image, str) for image in images):
-                raise TypeError
-            return [base64.b64decode(image.partition('base64,')[2] if image.startswith('data:') else image)
-                    for image in images], 'images' in fields
-        except (ValueError, KeyError, TypeError, binascii.Error):
-            raise Refused(400, f'the JSON body is not {{"image": "<base64>"}} nor {{"images": [...]}}; {FORMS}') \
-                from None
-    return [body], False
-
-
-def form_files(body, content_type):
-    """The files of a multipart/form-data body (RFC 7578), as sent: its parts with a filename or an image type."""
-    header = email.message.Message()
-    header['content-type'] = content_type
-    boundary, files = str(header.get_param('boundary') or '').encode('latin-1'), []
-    for part in (b'\r\n' + body).split(b'\r\n--' + boundary)[1:] if boundary else []:
-        if part.startswith(b'--'):  # the closing delimiter
-            break
-        head, _, data = part.partition(b'\r\n\r\n')
-        fields = email.message_from_bytes(head.partition(b'\r\n')[2])  # the part's headers, past the delimiter
-        if data and (fields.get_filename() is not None or fields.get_content_maintype() == 'image'):
-            files.append(data)  # an empty file field is no image
-    return files
-
-
-def pixel_count(data):
-    """An image's pixels, from its header (nothing decoded), or 0 where it has none: then its error is as quick."""
-    try:
-        return math.prod(Image.open(io.BytesIO(data)).size)
-    except Exception:
-        return 0
-
-
-def read_image(data):
-    """One image as MNIST framed its digits (a 28x28 'L' image), or Refused with the status its problem gets."""
-    try:
-        return framing.to_mnist(data)
-    except framing.NotAnImage as e:
-        raise Refused(400, f'the body is {e}; {FORMS}') from None
-    except framing.TooLarge as e:
-        raise Refused(413, str(e)) from None
-    except framing.NoDigit as e:
-        raise Refused(422, str(e)) from None
-    except ValueError as e:  # framing.Damaged
-        raise Refused(400, str(e)) from None
-
-
-def answer(model, images, several, dropped, framed=False):
-    """The JSON reply for a request's images; gives up once dropped (an Event) is set. framed: each prediction
-    also carries the 28x28 image the model read, as a PNG data: URL."""
-    if len(images) > MAX_IMAGES:
-        raise Refused(413, f'the request holds {len(images)} images; at most {MAX_IMAGES} are served at once')
-    batch = []
-    for k, image in enumerate(images):
-        if dropped.is_set():  # past the deadline, or the client has gone: nobody reads the answer
-            return None
-        try:
-            batch.append(read_image(image))
-        except Refused as e:
-            e.args = (f'image {k + 1} of {len(images)}: {e}',) if several else e.args
-            raise
-    digits, probabilities = predict(model, torch.cat([framing.mnist_tensor(image) for image in batch]))
-    replies = [{'digit': d, 'probabilities': [round(p, 6) for p in ps]} for d, ps in zip(digits, probabilities)]
-    for reply, image in zip(replies, batch if framed else []):
-        png = io.BytesIO()
-        image.save(png, 'PNG')
-        reply['framed'] = 'data:image/png;base64,' + base64.b64encode(png.getvalue()).decode()
-    return {'predictions': replies} if several else replies[0]
 
 
 class App:
@@ -336,14 +208,14 @@ class App:
     async def run(self, body, content_type, framed, receive):
         """The reply: at once for MNIST-sized images (0.1 ms each, less than handing them to a thread costs), else
         from a prediction thread, dropped when the client goes or the deadline passes."""
-        images = images_in(body, content_type) if len(body) <= QUICK_BYTES else None
+        images = framing.images_in(body, content_type) if len(body) <= QUICK_BYTES else None
         dropped = threading.Event()
-        if images and all(pixel_count(image) <= QUICK_PIXELS for image in images[0]):
-            return answer(self.model, *images, dropped, framed)
+        if images and all(framing.pixel_count(image) <= QUICK_PIXELS for image in images[0]):
+            return framing.answer(self.model, *images, dropped, framed)
         if self.waiting >= MAX_WAITING:
             raise Refused(503, f'{MAX_WAITING} requests are waiting already; try again shortly', **{'retry-after': '1'})
-        read = lambda: answer(self.model, *(images or images_in(body, content_type)), dropped, framed)  # noqa: E731
-        job = self.pool.submit(read)
+        job = self.pool.submit(lambda: framing.answer(self.model, *(images or framing.images_in(body, content_type)),
+                                                      dropped, framed))
         work = asyncio.wrap_future(job)
         gone = asyncio.ensure_future(receive())  # http.disconnect, once the client closes its connection
         self.waiting += 1
@@ -491,14 +363,14 @@ def serving_line(model, address, workers):
 
 
 def main(args):
-    model = load_model(args.model)
+    model = framing.load_model(args.model)
     if not args.predict:
         return serve(model, args)
     failed = False
     for path in args.predict:
         try:
             with open(path, 'rb') as f:
-                digits, probabilities = predict(model, framing.mnist_tensor(read_image(f.read())))
+                digits, probabilities = framing.predict(model, framing.mnist_tensor(framing.read_image(f.read())))
             print(f'{path}: {digits[0]} ({max(probabilities[0]):.1%})')
         except (OSError, Refused) as e:
             print(f'{path}: error: {e}', file=sys.stderr)

@@ -32,12 +32,12 @@ import base64, os, sys
 import torch
 import litserve as ls
 sys.path.insert(0, {root!r})
-import framing, serve
+import framing
 
 class MNIST(ls.LitAPI):
     def setup(self, device):
         torch.set_num_threads(1)
-        self.model = serve.load_model({model!r})
+        self.model = framing.load_model({model!r})
 
     def decode_request(self, request):
         data = request['file'].file.read() if 'file' in request else base64.b64decode(request['image'])
@@ -68,15 +68,15 @@ import base64, sys
 import torch
 from fastapi import FastAPI, File, UploadFile
 sys.path.insert(0, {root!r})
-import framing, serve
+import framing
 
 torch.set_num_threads(1)
-model = serve.load_model({model!r})
+model = framing.load_model({model!r})
 app = FastAPI()
 
 
 def reply(data):
-    digits, probabilities = serve.predict(model, framing.to_tensor(data))
+    digits, probabilities = framing.predict(model, framing.to_tensor(data))
     return {{'digit': digits[0], 'probabilities': [round(p, 6) for p in probabilities[0]]}}
 
 

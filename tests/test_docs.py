@@ -163,9 +163,10 @@ def test_ci_runs_the_readmes_test_commands_with_room_for_one_environment():
 
 
 def refusals():
-    """(status, closes the connection) of every Refused(...) serve.py raises."""
+    """(status, closes the connection) of every Refused(...) serve.py and framing.py raise."""
     found = set()
-    for node in ast.walk(ast.parse((ROOT / 'serve.py').read_text())):
+    trees = [ast.parse((ROOT / name).read_text()) for name in ('serve.py', 'framing.py')]
+    for node in (node for tree in trees for node in ast.walk(tree)):
         if isinstance(node, ast.Call) and getattr(node.func, 'id', None) == 'Refused':
             closes = any(k.arg == 'connection' and k.value.value == 'close' for k in node.keywords)
             for status in ast.walk(node.args[0]):  # 503 if queued else 504: both
@@ -185,12 +186,13 @@ def test_serving_docs_list_every_status_and_every_reply_that_closes_the_connecti
 
 
 def test_serving_limits_are_the_codes():
+    import framing
     import serve
     text = (ROOT / 'docs' / 'serving.md').read_text()
     assert serve.MAX_BODY_BYTES == 10 * 2**20 and '| a request body | 10 MiB, 10,485,760 bytes' in text
     assert serve.BODY_BUDGET == 80 * 2**20 and '| request bodies held at once | 80 MiB' in text
     assert serve.MAX_HEAD_BYTES == 16 * 2**10 and '| request line and headers | 16 KiB' in text
-    assert serve.MAX_IMAGES == 16 and '| images in one request | 16 |' in text
+    assert framing.MAX_IMAGES == 16 and '| images in one request | 16 |' in text
     page = (ROOT / 'page' / 'index.html').read_text()
     assert 'const MAX_UPLOAD = 1000000, MAX_SIDE = 1024;' in page  # what serving.md says the page sends
     assert 'over 1 MB or 1024 pixels a side to 1024 pixels a side' in ' '.join(text.split())

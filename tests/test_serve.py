@@ -177,13 +177,12 @@ def test_a_missing_or_wrong_model_stops_at_start_up(content, message, tmp_path):
 
 
 def test_the_distributed_scripts_model_and_a_checkpoint_load_too(tmp_path):
-    import serve
     model = common.SimpleCNN()
     ddp_style = {'module.' + key: value for key, value in model.state_dict().items()}
     torch.save(ddp_style, tmp_path / 'ddp.pth')
     torch.save({'model': model.state_dict(), 'epochs_done': 1}, tmp_path / 'checkpoint.pth')
     for name in ('ddp.pth', 'checkpoint.pth'):
-        loaded = serve.load_model(tmp_path / name)
+        loaded = framing.load_model(tmp_path / name)
         assert not loaded.training
         assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), model.state_dict().values()))
 

@@ -127,9 +127,8 @@ def post(port, body, headers=None):
 
 
 def expected(model_file, *images):
-    import serve as serve_module
-    model = serve_module.load_model(model_file)
-    digits, probabilities = serve_module.predict(model, torch.cat([framing.to_tensor(i) for i in images]))
+    model = framing.load_model(model_file)
+    digits, probabilities = framing.predict(model, torch.cat([framing.to_tensor(i) for i in images]))
     return [{'digit': d, 'probabilities': pytest.approx(p, abs=1e-6)} for d, p in zip(digits, probabilities)]
 
 
@@ -148,9 +147,9 @@ def test_every_request_form_gets_the_same_answer(server, model_file, tmp_path):
     encoded = base64.b64encode(image).decode()
     assert post(port, image, {'Content-Type': 'image/png'}) == (200, one)
     assert post(port, *multipart(image)) == (200, one)
-    import serve as serve_module  # the form's file, byte for byte: without the CRLF that ends the part
+    # the form's file, byte for byte: without the CRLF that ends the part
     body, headers = multipart(image)
-    assert serve_module.images_in(body, headers['Content-Type']) == ([image], False)
+    assert framing.images_in(body, headers['Content-Type']) == ([image], False)
     assert post(port, json.dumps({'image': encoded})) == (200, one)  # no Content-Type, as curl -d sends it
     assert post(port, json.dumps({'image': 'data:image/png;base64,' + encoded}),
                 {'Content-Type': 'application/json'}) == (200, one)

@@ -97,7 +97,7 @@ def parse_args():
     parser.add_argument('--port', type=int, default=8000, help='port to listen on; 0 picks a free one (default: '
                                                                '%(default)s)')
     parser.add_argument('--workers', type=common.positive(int), default=usable_cpus(),
-                        help='server processes, each with the model (default: the CPUs this process may use, '
+                        help='worker processes, each with the model (default: the CPUs this process may use, '
                              '%(default)s)')
     parser.add_argument('--threads', type=common.positive(int), default=1,
                         help='threads of each worker that read images and run the model (default: %(default)s)')
@@ -117,7 +117,7 @@ def parse_args():
 
 class App:
     """The ASGI application of one worker process: routes and request forms; images are read and the model run
-    on a pool of threads, within a budget of body bytes, a queue bound and a deadline."""
+    on a pool of threads (MNIST-sized ones at once), within a budget of body bytes, a queue bound and a deadline."""
 
     def __init__(self, model, args, counts):
         self.model, self.args, self.counts, self.slot = model, args, counts, 0  # counts: shared, a slot a process
@@ -258,6 +258,7 @@ async def read_body(receive, deadline, timeout):
         raise Refused(408, f'the request did not arrive whole within {timeout:g}s', connection='close') from None
     finally:
         timer.cancel()
+
 
 UVICORN = {'http': 'h11', 'h11_max_incomplete_event_size': MAX_HEAD_BYTES, 'ws': 'none', 'lifespan': 'off',
            'access_log': False, 'server_header': False}  # h11: a parser with a bound on the head

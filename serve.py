@@ -351,6 +351,7 @@ def serve(model, args):
     options = {'bind': [bind], 'workers': args.workers, 'worker_class': Worker, 'preload_app': True,
                'timeout': args.worker_timeout, 'graceful_timeout': math.ceil(args.grace), 'keepalive': 60,
                'backlog': 2048, 'loglevel': 'warning', 'control_socket_disable': True, 'pre_fork': pre_fork,
+               'worker_tmp_dir': '/dev/shm' if os.path.isdir('/dev/shm') else None,  # heartbeats in memory
                'post_fork': post_fork, 'when_ready': lambda arbiter: print(serving_line(
                    args.model, arbiter.LISTENERS[0].sock.getsockname(), args.workers), flush=True)}
     Master(Service(app, options)).run()

@@ -195,6 +195,7 @@ def test_framed_1_adds_the_28x28_image_the_model_read_and_only_then(server):
 @pytest.mark.parametrize('body, headers, message', [
     (json.dumps({'picture': 'x'}), {}, 'the JSON body is not {"image": "<base64>"}'),
     (json.dumps({'image': '%%% not base64'}), {}, 'the JSON body is not'),
+    (json.dumps({'images': []}), {}, 'the JSON body is not'),  # no image: 400, not the model's 500 on nothing
     (b'--b\r\nContent-Disposition: form-data; name="a"\r\n\r\ntext\r\n--b--\r\n',
      {'Content-Type': 'multipart/form-data; boundary=b'}, 'the form holds no file'),
     (b'plain words', {'Content-Type': 'text/plain'}, 'not an image Pillow can read'),

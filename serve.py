@@ -7,13 +7,10 @@ On your own machine (after ./run_local.sh; or ./run_local.sh serve):
   python serve.py --model ./output/single/best_model.pth
   python serve.py --model ./output/single/best_model.pth --predict digit.png ...   (no server)
 
-POST /predict answers {"digit": d, "probabilities": [p0, ..., p9]} for an image of any size (framing.py
-reads it as MNIST framed its digits), sent as the body (curl --data-binary @digit.png URL/predict), as a
-form upload (curl -F file=@digit.png ...) or as JSON {"image": "<base64 or data: URL>"}; several
-images in a form or as {"images": [...]} answer {"predictions": [...]}. POST / is the same (EAS's SDK
-posts to the service's root). GET /health, and GET / a page.
-Errors are JSON: {"error": "..."} with the HTTP status. Gunicorn runs --workers processes of uvicorn and replaces
-any that dies or hangs; no authentication: on EAS, the gateway checks the token. Limits, replies: docs/serving.md.
+POST /predict (or POST /, where EAS's SDK posts) an image of any size, as the body, a form upload or JSON:
+{"digit": d, "probabilities": [p0, ..., p9]}. GET /health, GET / a page; errors are JSON {"error": "..."}.
+Gunicorn runs --workers processes of uvicorn and replaces any that dies or hangs. No authentication (on EAS the
+gateway checks the token). Request forms, limits, replies: docs/serving.md.
 """
 import argparse
 import asyncio
@@ -72,19 +69,14 @@ def usable_cpus():
 
 def cgroup_cpu_quota():
     """CPUs' worth of time a Linux container may use (Docker --cpus, Kubernetes limits), or None: cgroup v2, then v1."""
-    try:
-        with open(os.path.join(CGROUP, 'cpu.max')) as f:
-            quota, period = f.read().split()[:2]
-        return None if quota == 'max' else int(quota) / int(period)
-    except (OSError, ValueError):
-        pass
-    try:
-        with open(os.path.join(CGROUP, 'cpu', 'cpu.cfs_quota_us')) as q, \
-                open(os.path.join(CGROUP, 'cpu', 'cpu.cfs_period_us')) as p:
-            quota, period = int(q.read()), int(p.read())
-        return quota / period if quota > 0 and period > 0 else None
-    except (OSError, ValueError):
-        return None
+    for quota_file, period_file in (('cpu.max', 'cpu.max'), ('cpu/cpu.cfs_quota_us', 'cpu/cpu.cfs_period_us')):
+        try:  # v2: "max 100000" or "200000 100000"; v1: -1 (no quota) or 200000, and 100000 in a file of its own
+            with open(os.path.join(CGROUP, quota_file)) as q, open(os.path.join(CGROUP, period_file)) as p:
+                quota, period = q.read().split()[0], int(p.read().split()[-1])
+            return int(quota) / period if quota not in ('max', '-1') and period > 0 else None
+        except (OSError, ValueError, IndexError):
+            continue
+    return None
 
 
 def parse_args():
@@ -294,22 +286,18 @@ class Master(Arbiter):
     """Gunicorn's master process, saying what a stop waits for. Ctrl-C stops as gracefully as SIGTERM (Gunicorn's
     own Ctrl-C drops the requests in progress); a second one stops at once."""
 
-    def handle_term(self):
-        self.stopping('SIGTERM')
-
-    def handle_int(self):
-        self.stopping('SIGINT')
-
-    def stopping(self, name):
+    def handle_term(self, name='SIGTERM'):
         print(f'Stopping on {name}: accepting no new connections, answering the requests in progress '
               f'({sum(self.app.application.counts)}) within {self.cfg.graceful_timeout:g}s.', flush=True)
         raise StopIteration  # Gunicorn's graceful stop
 
+    def handle_int(self):
+        self.handle_term('SIGINT')
+
 
 class Service(BaseApplication):
-    """Gunicorn through its custom application API: the model is loaded once here and the worker processes forked
-    from this one (preload_app: they share its memory); a worker that dies, or whose event loop stops turning
-    for --worker-timeout seconds, is killed and replaced."""
+    """Gunicorn through its custom application API, preload_app: the workers are forked with the model loaded (they
+    share its memory); one that dies, or whose event loop stops for --worker-timeout seconds, is replaced."""
 
     def __init__(self, application, options):
         self.application, self.options = application, options

@@ -14,6 +14,7 @@ gateway checks the token). Request forms, limits, replies: docs/serving.md.
 """
 import argparse
 import asyncio
+import collections
 import concurrent.futures
 import contextlib
 import errno
@@ -52,6 +53,7 @@ MAX_HEAD_BYTES = 16384  # the request line and headers; more get uvicorn's 400
 MAX_WAITING = 256  # requests of a worker process waiting for its prediction threads; more get 503
 BODY_BUDGET = 8 * MAX_BODY_BYTES  # bytes of request bodies a worker process holds at once; more wait their turn
 QUICK_BYTES, QUICK_PIXELS = 65536, 28 * 28  # a body and its images this small are read on the event loop
+SPREAD_CHECK = 100  # replies between a worker's counts of the kept-alive connections it serves
 ROUTES = {'/': ('GET', 'HEAD', 'POST'), '/predict': ('POST',), '/health': ('GET', 'HEAD')}  # POST /: EAS's SDK
 CGROUP = '/sys/fs/cgroup'  # a Linux container's own CPU limits, where it has them
 PAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'page', 'index.html')  # GET /: try the model
@@ -84,13 +86,11 @@ def parse_args():
     parser.add_argument('--model', default='/mnt/data/output/best_model.pth',
                         help='best_model.pth of either training script (default: %(default)s)')
     parser.add_argument('--host', default='127.0.0.1',
-                        help='address to listen on; 0.0.0.0 on EAS, :: for IPv6 (default: %(default)s, this machine '
-                             'only)')
-    parser.add_argument('--port', type=int, default=8000, help='port to listen on; 0 picks a free one (default: '
-                                                               '%(default)s)')
+                        help='address to listen on: 0.0.0.0 on EAS, :: for IPv6 (default: %(default)s, local only)')
+    parser.add_argument('--port', type=int, default=8000,
+                        help='port to listen on; 0 picks a free one (default: %(default)s)')
     parser.add_argument('--workers', type=common.positive(int), default=usable_cpus(),
-                        help='worker processes, each with the model (default: the CPUs this process may use, '
-                             '%(default)s)')
+                        help='worker processes (default: the CPUs this process may use, %(default)s)')
     parser.add_argument('--threads', type=common.positive(int), default=1,
                         help='threads of each worker that read images and run the model (default: %(default)s)')
     parser.add_argument('--timeout', type=common.positive(float), default=30,
@@ -111,8 +111,11 @@ class App:
     """The ASGI application of one worker process: routes and request forms; images are read and the model run
     on a pool of threads (MNIST-sized ones at once), within a budget of body bytes, a queue bound and a deadline."""
 
-    def __init__(self, model, args, counts):
-        self.model, self.args, self.counts, self.slot = model, args, counts, 0  # counts: shared, a slot a process
+    def __init__(self, model, args, slots):
+        self.model, self.args, self.slot = model, args, 0  # slot: this worker's, in the arrays its master shares
+        self.counts = multiprocessing.RawArray('i', slots)  # requests in progress, by worker
+        self.held = multiprocessing.RawArray('i', slots)  # busy kept-alive connections, by worker (crowded)
+        self.clients, self.replies = collections.Counter(), 0  # replies by connection, and in all
         self.pool = concurrent.futures.ThreadPoolExecutor(args.threads, thread_name_prefix='predict')
         self.waiting, self.budget, self.room = 0, BODY_BUDGET, asyncio.Condition()
 
@@ -136,12 +139,29 @@ class App:
         if status != 499:
             data = body if isinstance(body, bytes) else json.dumps(body).encode()
             headers = {'content-type': 'application/json', 'content-length': str(len(data)), **headers}
+            if self.crowded(scope['client']):
+                headers['connection'] = 'close'
             await send({'type': 'http.response.start', 'status': status,
                         'headers': [(name.encode(), value.encode()) for name, value in headers.items()]})
             await send({'type': 'http.response.body', 'body': data})
         query = scope['query_string'].decode('latin-1')
         target = scope['path'] + ('?' + query if query else '')
         sys.stderr.write(f'{scope["method"]} {target} {status} {(time.perf_counter() - started) * 1000:.1f} ms\n')
+
+    def crowded(self, client):
+        """Whether this reply closes its connection, to spread kept-alive clients over the workers (each stays with
+        the worker that accepted it: 4 all on one of 2 workers get 40% fewer replies). Every SPREAD_CHECK replies a
+        worker counts its busy connections (3 of those replies or more); holding 2 more than another worker, it
+        closes a busy one, whose client connects again, most likely to a less busy worker (the first to accept)."""
+        self.clients[client] += 1
+        self.replies += 1
+        if self.replies % SPREAD_CHECK:
+            return False
+        busy = {other for other, replies in self.clients.items() if replies >= 3}
+        self.clients.clear()
+        self.held[self.slot] = len(busy)
+        others = [self.held[k] for k in range(self.args.workers) if k != self.slot]  # pre_fork: the lowest slots
+        return client in busy and bool(others) and len(busy) > min(others) + 1
 
     async def respond(self, scope, receive):
         """(status, JSON body or bytes, headers) for one request."""
@@ -316,7 +336,7 @@ def serve(model, args):
     """Serve on --workers processes under Gunicorn; on Windows, where Gunicorn does not run, on this one."""
     bind = check_address(args.host, args.port)
     torch.set_num_threads(1)  # a tiny model: one torch thread per request, requests on --threads threads
-    app = App(model, args, multiprocessing.RawArray('i', args.workers + 8))  # requests in progress, by worker
+    app = App(model, args, args.workers + 8)
     if sys.platform == 'win32':
         server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, timeout_keep_alive=60,
                                                timeout_graceful_shutdown=args.grace, log_level='warning', **UVICORN))
@@ -330,7 +350,7 @@ def serve(model, args):
     def pre_fork(arbiter, worker):  # a slot of the counts for each worker, reused once its worker has gone
         taken = {other.slot for other in arbiter.WORKERS.values()}
         worker.slot = next(k for k in range(len(app.counts)) if k not in taken)
-        app.counts[worker.slot] = 0
+        app.counts[worker.slot] = app.held[worker.slot] = 0
 
     def post_fork(arbiter, worker):
         app.slot = worker.slot

@@ -498,6 +498,37 @@ def test_a_stopped_worker_is_killed_and_replaced_while_the_other_answers(model_f
     assert victim not in answering(port, 2)
 
 
+@pytest.mark.skipif(sys.platform != 'linux', reason='reads the worker processes from /proc')
+def test_kept_alive_connections_all_on_one_worker_are_spread_over_both(model_file):
+    """4 clients keeping their connections, all accepted by one worker (the other stopped meanwhile): the crowded
+    worker closes some, and they are opened again on the other; every request is answered."""
+    proc, _, port = serve(model_file, '--workers', '2')
+    running, stopped = answering(port, 2)
+
+    def worker_of(connection):
+        connection.request('GET', '/health')
+        return json.loads(connection.getresponse().read())['pid']
+    os.kill(stopped, signal.SIGSTOP)
+    try:
+        connections = [http.client.HTTPConnection('127.0.0.1', port, timeout=30) for _ in range(4)]
+        assert {worker_of(connection) for connection in connections} == {running}
+    finally:
+        os.kill(stopped, signal.SIGCONT)
+    replies, free = [], list(connections)
+
+    def client():
+        connection = free.pop()
+        for n in range(300):
+            connection.request('POST', '/predict', body=png(n))
+            response = connection.getresponse()
+            response.read()  # then http.client opens the connection again if the reply closed it
+            replies.append((response.status, response.getheader('connection')))
+    at_once(4, client)
+    assert {status for status, _ in replies} == {200} and len(replies) == 1200
+    assert 'close' in {connection for _, connection in replies}, 'no connection was closed'
+    assert {worker_of(connection) for connection in connections} == {running, stopped}
+
+
 def test_where_gunicorn_does_not_run_one_process_serves(model_file):
     """Windows (no Gunicorn, no fork): serve.py serves from its own process with uvicorn; here on Linux, told it
     is on Windows once torch and uvicorn are imported."""

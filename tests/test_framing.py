@@ -140,3 +140,25 @@ def test_each_problem_has_its_exception(data, error, message):
     with pytest.raises(error, match=message):
         framing.to_mnist(data)
     assert issubclass(error, ValueError)
+
+
+@pytest.mark.parametrize('content_type, parts, expected', [
+    ('multipart/form-data; boundary=XyZ', ['Content-Disposition: form-data; name="file"; filename="d.png"'], [0]),
+    ('Multipart/Form-Data;Boundary="a b:c"', ['content-disposition: form-data; name="f"; FILENAME=d.png'], [0]),
+    ('multipart/form-data; charset=utf-8; boundary=XyZ',  # RFC 2231's filename*, and a type alone
+     ['Content-Disposition: form-data; name="a"; filename*=utf-8\'\'%E6%95%B0.png',
+      'Content-Disposition: form-data; name="b"\r\nContent-Type: IMAGE/jpeg'], [0, 1]),
+    ('multipart/form-data; boundary=XyZ',  # no file: a text field, "; filename=" inside a quoted name, a text type
+     ['Content-Disposition: form-data; name="note"',
+      'Content-Disposition: form-data; name="a; filename=b.png"',
+      'Content-Disposition: form-data; name="c"\r\nContent-Type: text/plain'], []),
+    ('multipart/form-data', ['Content-Disposition: form-data; name="f"; filename="d.png"'], []),  # no boundary
+], ids=['plain', 'quoted-boundary', 'rfc2231-and-type', 'no-file', 'no-boundary'])
+def test_form_files_are_the_parts_with_a_filename_or_an_image_type(content_type, parts, expected):
+    boundary = (content_type.rpartition('oundary=')[2].strip('"') if 'oundary=' in content_type else 'XyZ').encode()
+    datas = [b'\x89PNG file %d\r\n--not the boundary\r\n' % k for k in range(len(parts))]
+    body = b''.join(b'--' + boundary + b'\r\n' + head.encode() + b'\r\n\r\n' + data + b'\r\n'
+                    for head, data in zip(parts, datas)) + b'--' + boundary + b'--\r\n'
+    assert framing.form_files(body, content_type) == [datas[k] for k in expected]
+    empty = b'--' + boundary + b'\r\nContent-Disposition: form-data; name="f"; filename=""\r\n\r\n\r\n--' + boundary
+    assert framing.form_files(empty + b'--\r\n', content_type) == [], 'an empty file field is no image'

@@ -1,5 +1,7 @@
 """serve.py beside its peers, as clients see them: one client's median latency, requests per second of 4 and of
-16 clients on kept-alive connections and of 16 that open a new connection per request, and idle memory.
+16 clients on kept-alive connections, of 16 that open a new connection per request, and of 4 kept-alive clients
+whose connections one worker process accepted (the other workers stopped meanwhile: not for LitServe, whose
+processes are no peers), and idle memory.
 
     PYTHONPATH=DIR python tests/bench_peers.py [--model M] [--data-dir DIR] [--seconds 8] [--rounds 3]
         [--form multipart|json] [--baseline REV] [--only NAME ...]
@@ -122,9 +124,10 @@ def stop(proc):
             os.killpg(proc.pid, signal.SIGKILL)  # whatever of it is left
 
 
-def phases(port, bodies, seconds, path):
+def phases(port, bodies, seconds, path, workers=()):
     """The figures clients see, each phase for `seconds`: one client's median latency (kept alive), requests per
-    second of 4 and of 16 clients kept alive, and of 16 clients opening a new connection for each request."""
+    second of 4 and of 16 clients kept alive, and of 16 clients opening a new connection for each request; with
+    the workers' pids, also of 4 kept-alive clients whose connections one worker accepted (the others stopped)."""
     import http.client
 
     def ask(connection, body):
@@ -133,11 +136,11 @@ def phases(port, bodies, seconds, path):
         assert response.status == 200, (response.status, response.read())
         json.loads(response.read())
 
-    def run(clients, kept_alive):
+    def run(clients, kept_alive, connections=None):
         counts, latencies, end = [0] * clients, [], time.perf_counter() + seconds
 
         def client(k):
-            connection = http.client.HTTPConnection('127.0.0.1', port, timeout=30)
+            connection = connections[k] if connections else http.client.HTTPConnection('127.0.0.1', port, timeout=30)
             while time.perf_counter() < end:
                 if not kept_alive:
                     connection = http.client.HTTPConnection('127.0.0.1', port, timeout=30)
@@ -151,7 +154,27 @@ def phases(port, bodies, seconds, path):
         return sum(counts) / elapsed, sorted(latencies)[len(latencies) // 2]
     for body in bodies[:50]:  # warm-up
         ask(http.client.HTTPConnection('127.0.0.1', port, timeout=30), body)
-    return {'p50': run(1, True)[1], '4 kept': run(4, True)[0], '16 kept': run(16, True)[0], '16 new': run(16, False)[0]}
+    figures = {'p50': run(1, True)[1], '4 kept': run(4, True)[0], '16 kept': run(16, True)[0],
+               '16 new': run(16, False)[0]}
+    if len(workers) > 1:
+        for pid in workers[1:]:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            connections = [http.client.HTTPConnection('127.0.0.1', port, timeout=30) for _ in range(4)]
+            for connection in connections:
+                ask(connection, bodies[0])  # accepted by the one worker running
+        finally:
+            for pid in workers[1:]:
+                os.kill(pid, signal.SIGCONT)
+        figures['4 on one'] = run(4, True, connections)[0]
+    return figures
+
+
+def children(pid):
+    """A server's worker processes: the children of its first process (Gunicorn's master, uvicorn's supervisor),
+    but multiprocessing's resource tracker."""
+    pids = [int(child) for child in open(f'/proc/{pid}/task/{pid}/children').read().split()]
+    return [child for child in pids if b'resource_tracker' not in open(f'/proc/{child}/cmdline', 'rb').read()]
 
 
 def multipart(png):
@@ -199,12 +222,14 @@ def main():
             try:
                 time.sleep(2)  # every worker process started
                 idle = tree_pss(proc.pid)
-                f = phases(port, bodies, args.seconds, path)
+                workers = sorted(children(proc.pid)) if name != 'LitServe' else []  # its processes are no peers
+                f = phases(port, bodies, args.seconds, path, workers)
             finally:
                 stop(proc)
             print(f'round {round + 1}, {name:20s} one client p50 {f["p50"] * 1000:5.2f} ms; requests/s: 4 kept alive '
-                  f'{f["4 kept"]:5.0f}, 16 kept alive {f["16 kept"]:5.0f}, 16 new connections {f["16 new"]:5.0f}; '
-                  f'idle {idle / 2**20:4.0f} MiB', flush=True)
+                  f'{f["4 kept"]:5.0f}, 16 kept alive {f["16 kept"]:5.0f}, 16 new connections {f["16 new"]:5.0f}, '
+                  f'4 kept alive on one worker {f.get("4 on one", float("nan")):5.0f}; idle {idle / 2**20:4.0f} MiB',
+                  flush=True)
 
 
 if __name__ == '__main__':

@@ -338,6 +338,7 @@ def serve(model, args):
     torch.set_num_threads(1)  # a tiny model: one torch thread per request, requests on --threads threads
     app = App(model, args, args.workers + 8)
     if sys.platform == 'win32':
+        args.workers = 1  # whatever --workers says: no other worker to spread connections to
         server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, timeout_keep_alive=60,
                                                timeout_graceful_shutdown=args.grace, log_level='warning', **UVICORN))
         sock = server.config.bind_socket()

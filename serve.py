@@ -111,10 +111,10 @@ class App:
     """The ASGI application of one worker process: routes and request forms; images are read and the model run
     on a pool of threads (MNIST-sized ones at once), within a budget of body bytes, a queue bound and a deadline."""
 
-    def __init__(self, model, args, slots):
-        self.model, self.args, self.slot = model, args, 0  # slot: this worker's, in the arrays its master shares
-        self.counts = multiprocessing.RawArray('i', slots)  # requests in progress, by worker
-        self.held = multiprocessing.RawArray('i', slots)  # busy kept-alive connections, by worker (crowded)
+    def __init__(self, model, args, workers):
+        self.model, self.args, self.workers, self.slot = model, args, workers, 0  # slot: this worker's, below
+        # Shared by the worker processes, a slot each: requests in progress, busy kept-alive connections (crowded)
+        self.counts, self.held = multiprocessing.RawArray('i', workers + 8), multiprocessing.RawArray('i', workers + 8)
         self.clients, self.replies = collections.Counter(), 0  # replies by connection, and in all
         self.pool = concurrent.futures.ThreadPoolExecutor(args.threads, thread_name_prefix='predict')
         self.waiting, self.budget, self.room = 0, BODY_BUDGET, asyncio.Condition()
@@ -160,7 +160,7 @@ class App:
         busy = {other for other, replies in self.clients.items() if replies >= 3}
         self.clients.clear()
         self.held[self.slot] = len(busy)
-        others = [self.held[k] for k in range(self.args.workers) if k != self.slot]  # pre_fork: the lowest slots
+        others = [self.held[k] for k in range(self.workers) if k != self.slot]  # pre_fork: the lowest slots
         return client in busy and bool(others) and len(busy) > min(others) + 1
 
     async def respond(self, scope, receive):
@@ -336,9 +336,9 @@ def serve(model, args):
     """Serve on --workers processes under Gunicorn; on Windows, where Gunicorn does not run, on this one."""
     bind = check_address(args.host, args.port)
     torch.set_num_threads(1)  # a tiny model: one torch thread per request, requests on --threads threads
-    app = App(model, args, args.workers + 8)
+    workers = 1 if sys.platform == 'win32' else args.workers  # on Windows one process, whatever --workers says
+    app = App(model, args, workers)
     if sys.platform == 'win32':
-        args.workers = 1  # whatever --workers says: no other worker to spread connections to
         server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, timeout_keep_alive=60,
                                                timeout_graceful_shutdown=args.grace, log_level='warning', **UVICORN))
         sock = server.config.bind_socket()
@@ -355,7 +355,6 @@ def serve(model, args):
 
     def post_fork(arbiter, worker):
         app.slot = worker.slot
-        torch.set_num_threads(1)
 
     options = {'bind': [bind], 'workers': args.workers, 'worker_class': Worker, 'preload_app': True,
                'timeout': args.worker_timeout, 'graceful_timeout': math.ceil(args.grace), 'keepalive': 60,

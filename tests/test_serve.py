@@ -201,7 +201,7 @@ def test_an_image_without_a_digit_gets_422(server, image):
 def test_a_worker_holding_2_more_busy_connections_than_another_closes_one():
     """serve.App.crowded, the decision behind the Connection: close that spreads kept-alive clients."""
     import serve
-    app = serve.App(None, argparse.Namespace(workers=2, threads=1), 4)
+    app = serve.App(None, argparse.Namespace(threads=1), 2)
     app.slot, check = 0, serve.SPREAD_CHECK
     kept = [('127.0.0.1', 50000 + k) for k in range(4)]  # 4 connections, 25 replies each in a check
     assert [app.crowded(kept[n % 4]) for n in range(check)] == [False] * (check - 1) + [True]  # the other: 0
@@ -212,7 +212,7 @@ def test_a_worker_holding_2_more_busy_connections_than_another_closes_one():
     assert [app.crowded(kept[n % 4]) for n in range(check)][-1]
     app.held[1] = 0  # a new connection for each request, or two replies a connection: none is busy
     assert not any(app.crowded(('127.0.0.1', 40000 + n // 2)) for n in range(check)) and app.held[0] == 0
-    alone = serve.App(None, argparse.Namespace(workers=1, threads=1), 4)  # one worker: nowhere to go
+    alone = serve.App(None, argparse.Namespace(threads=1), 1)  # one worker: nowhere to go
     assert not any(alone.crowded(kept[n % 4]) for n in range(check))
 
 

@@ -535,13 +535,22 @@ def test_where_gunicorn_does_not_run_one_process_serves(model_file):
     port = free_port()
     code = ('import multiprocessing.sharedctypes, runpy, sys, torch, uvicorn; sys.platform = "win32"; '
             'sys.argv[0] = sys.argv[1]; del sys.argv[1]; runpy.run_path(sys.argv[0], run_name="__main__")')
-    proc, reader = start([sys.executable, '-c', code, SERVE, '--model', model_file, '--port', str(port)])
+    proc, reader = start([sys.executable, '-c', code, SERVE, '--model', model_file, '--port', str(port),
+                          '--workers', '2'])
     STARTED.append(proc)
     assert reader.wait_for(lambda line: line.startswith('Serving'), timeout=60) == (
         f'Serving {model_file} on http://127.0.0.1:{port} with 1 worker process: POST /predict, GET /health, and a '
         f'page to try it at /\n')
     assert post(port, png(1)) == (200, expected(model_file, png(1))[0])
     assert workers_of(proc) == set() and answering(port, 1) == {proc.pid}
+    kept = [http.client.HTTPConnection('127.0.0.1', port, timeout=30) for _ in range(2)]
+    closes = []
+    for n in range(120):  # two busy kept-alive connections: no other process to spread them to
+        kept[n % 2].request('GET', '/health')
+        response = kept[n % 2].getresponse()
+        response.read()
+        closes.append(response.getheader('connection'))
+    assert closes == [None] * 120, 'one process closed a connection to spread it'
     proc.send_signal(signal.SIGINT)
     assert proc.wait(timeout=30) == 0
 

@@ -21,8 +21,6 @@ from urllib.error import URLError
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torchvision import datasets
-from torchvision.datasets.utils import download_and_extract_archive
 
 
 class SetupError(Exception):
@@ -198,6 +196,9 @@ def _download(data_dir, raw_folder, missing):
     except OSError as e:
         raise SetupError(f'cannot create {raw_folder} to download MNIST into ({e.strerror}).'
                          + _laptop_hint(data_dir)) from None
+    # torchvision here, not at the top: serve.py imports this module, and torchvision would add 3 s to its start
+    from torchvision import datasets
+    from torchvision.datasets.utils import download_and_extract_archive
     mirrors = [(m.rstrip('/') + '/', False) for m in [os.environ.get('MNIST_MIRROR')] if m]
     mirrors += [(m, True) for m in datasets.MNIST.mirrors]
     md5s = dict(datasets.MNIST.resources)

@@ -29,15 +29,9 @@ import re
 import torch
 import torch.nn.functional as F
 from PIL import Image, ImageOps, UnidentifiedImageError
-from torchvision import transforms
 
 import common
 
-# The training data's preprocessing, as in the document
-transform = transforms.Compose([
-    transforms.ToTensor(),
-    transforms.Normalize((0.5,), (0.5,))
-])
 MAX_PIXELS = 4096 * 4096  # decoded at full size; a JPEG may have 16 times as many: it is decoded at 1/2-1/8 scale
 JPEG_SIDE = 1024  # a large JPEG is decoded at reduced scale, any large picture averaged, to at least this a side
 WORK_SIDE = 320  # larger pictures are read from a reduced copy and a reduced crop around the digit

@@ -11,6 +11,8 @@ import sys
 
 import pytest
 import torch
+from torchvision import datasets
+from torchvision.datasets import utils as download_utils
 
 import common
 from conftest import FILES, Mirror, gz_files, make_mnist
@@ -231,12 +233,12 @@ def mirrors(monkeypatch, archives):
         mirror = Mirror(files)
         made.append(mirror)
         if torchvision:
-            monkeypatch.setattr(common.datasets.MNIST, 'mirrors', [mirror.url])
+            monkeypatch.setattr(datasets.MNIST, 'mirrors', [mirror.url])
         else:
             monkeypatch.setenv('MNIST_MIRROR', mirror.url.rstrip('/'))  # the / is added
         return mirror
-    monkeypatch.setattr(common.datasets.MNIST, 'mirrors', [])
-    monkeypatch.setattr(common.datasets.MNIST, 'resources',
+    monkeypatch.setattr(datasets.MNIST, 'mirrors', [])
+    monkeypatch.setattr(datasets.MNIST, 'resources',
                         [(name, hashlib.md5(data).hexdigest()) for name, data in archives.items()])
     monkeypatch.delenv('MNIST_MIRROR', raising=False)
     yield make
@@ -250,10 +252,10 @@ def raw_listing(root):
 
 def test_download_from_mnist_mirror_with_a_timeout(tmp_path, mirrors, archives, monkeypatch):
     mirror = mirrors(archives)
-    monkeypatch.setattr(common.datasets.MNIST, 'resources', [(name, '0' * 32) for name in archives])  # not checked
+    monkeypatch.setattr(datasets.MNIST, 'resources', [(name, '0' * 32) for name in archives])  # not checked
     calls = []
-    real = common.download_and_extract_archive
-    monkeypatch.setattr(common, 'download_and_extract_archive', lambda url, folder, md5: (
+    real = download_utils.download_and_extract_archive
+    monkeypatch.setattr(download_utils, 'download_and_extract_archive', lambda url, folder, md5: (
         calls.append((url, os.path.dirname(folder), os.path.basename(folder)[:10], md5, socket.getdefaulttimeout(),
                       common._writing == {folder})), real(url, folder, md5=md5)))
     socket.setdefaulttimeout(5)
@@ -316,7 +318,7 @@ def test_download_names_a_damaged_file_and_an_unreachable_mirror(tmp_path, mirro
     with socket.socket() as closed:  # a port nothing listens on
         closed.bind(('127.0.0.1', 0))
         port = closed.getsockname()[1]
-    monkeypatch.setattr(common.datasets.MNIST, 'mirrors', [f'http://127.0.0.1:{port}/'])
+    monkeypatch.setattr(datasets.MNIST, 'mirrors', [f'http://127.0.0.1:{port}/'])
     with pytest.raises(common.SetupError) as error:
         common.prepare_mnist(str(tmp_path))
     assert f' The last download error was: http://127.0.0.1:{port}/train-images-idx3-ubyte.gz: <urlopen error' \

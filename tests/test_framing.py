@@ -8,6 +8,7 @@ from PIL import Image, ImageDraw, ImageOps
 from torchvision import datasets
 
 import framing
+import mnist_train  # its transform: what the model was trained on
 
 
 def encode(image, fmt='PNG', **options):
@@ -43,7 +44,7 @@ def like(tensor, reference, at_least):
 
 
 def test_an_mnist_png_gives_bit_for_bit_the_validation_tensor(mnist_dir):
-    dataset = datasets.MNIST(root=mnist_dir, train=False, transform=framing.transform)
+    dataset = datasets.MNIST(root=mnist_dir, train=False, transform=mnist_train.transform)
     for i in range(20):
         png = encode(Image.fromarray(dataset.data[i].numpy()))
         assert torch.equal(framing.to_tensor(png)[0], dataset[i][0]), f'image {i}'

@@ -18,6 +18,7 @@ from torchvision import datasets
 
 import common
 import framing
+import mnist_train  # its transform: what the model was trained on
 from conftest import ROOT, free_port, run, start
 
 SERVE = ROOT / 'serve.py'
@@ -64,7 +65,7 @@ def healthy(url):
 
 def test_predictions_equal_the_models_own(server, model_file, mnist_dir):
     url, _, _ = server
-    dataset = datasets.MNIST(root=mnist_dir, train=False, transform=framing.transform)
+    dataset = datasets.MNIST(root=mnist_dir, train=False, transform=mnist_train.transform)
     expected = forward(model_file, torch.stack([dataset[i][0] for i in range(30)]))
     for i in range(30):
         status, body = request(url + '/predict', encode(dataset.data[i].numpy()))
@@ -145,6 +146,14 @@ def test_one_log_line_per_request(server):
     assert len(mine) == 2, mine
     assert re.fullmatch(rf'GET /health\?from={tag} 200 \d+\.\d ms\n', mine[0]), mine
     assert re.fullmatch(rf'GET /log-test-{tag} 404 \d+\.\d ms\n', mine[1]), mine
+
+
+def test_serve_py_loads_no_torchvision():
+    # The model, the pictures and the server need torch and PIL only: torchvision (and the torch compiler it loads)
+    # would add seconds to every start and 160 MiB to the memory the workers share.
+    _, stdout, _ = run([sys.executable, '-c', 'import sys, serve; print(sorted({m.split(".")[0] for m in sys.modules '
+                                              'if m.startswith(("torchvision", "torch._dynamo"))}))'])
+    assert stdout == '[]\n'
 
 
 def test_predict_files_without_a_server(model_file, mnist_dir, tmp_path):

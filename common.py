@@ -196,7 +196,7 @@ def _download(data_dir, raw_folder, missing):
     except OSError as e:
         raise SetupError(f'cannot create {raw_folder} to download MNIST into ({e.strerror}).'
                          + _laptop_hint(data_dir)) from None
-    # torchvision here, not at the top: serve.py imports this module, and torchvision would add 3 s to its start
+    # torchvision here, not at the top: serve.py imports this module, and would start seconds later with it
     from torchvision import datasets
     from torchvision.datasets.utils import download_and_extract_archive
     mirrors = [(m.rstrip('/') + '/', False) for m in [os.environ.get('MNIST_MIRROR')] if m]

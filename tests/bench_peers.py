@@ -11,8 +11,10 @@ processes are no peers), and idle memory.
 All serve the same model with framing.py and get the same bodies (a form upload of a 28x28 MNIST-style PNG,
 or JSON {"image": "<base64>"}): serve.py with its defaults; LitServe with batching (max_batch_size 16,
 batch_timeout 5 ms), one worker per CPU core, fast_queue, torch at one thread; a plain FastAPI app on
-`uvicorn --workers 2 --http httptools`; with --baseline, the serve.py of that git revision. The servers
-alternate, each round; each phase runs --seconds. Not part of the test suite.
+`uvicorn --workers 2 --http httptools` (FastAPI: a sync endpoint taking an UploadFile, or a dict for JSON;
+FastAPI raw: an async one reading the body as sent, with framing.py's own parsing, on the event loop); with
+--baseline, the serve.py of that git revision. The servers alternate, each round; each phase runs --seconds.
+Not part of the test suite.
 """
 import argparse
 import base64
@@ -66,9 +68,9 @@ if __name__ == '__main__':
 
 
 FASTAPI_APP = '''
-import base64, sys
+import base64, sys, threading
 import torch
-from fastapi import FastAPI, File, UploadFile
+from fastapi import FastAPI, File, Request, UploadFile
 sys.path.insert(0, {root!r})
 import framing
 
@@ -90,6 +92,13 @@ def predict(file: UploadFile = File(...)):
 @app.post('/predict-json')
 def predict_json(body: dict):
     return reply(base64.b64decode(body['image']))
+
+
+@app.post('/predict-raw')
+async def predict_raw(request: Request):  # written for speed: the body as sent, read on the event loop
+    body = await request.body()
+    images, several = framing.images_in(body, request.headers.get('content-type', ''))
+    return framing.answer(model, images, several, threading.Event())
 
 
 @app.get('/health')
@@ -210,6 +219,7 @@ def main():
                'FastAPI': ([sys.executable, '-m', 'uvicorn', 'fastapi_app:app', '--app-dir', folder, '--workers', '2',
                             '--http', 'httptools', '--no-access-log', '--log-level', 'warning', '--port', '8766'],
                            8766, '/predict' if args.form == 'multipart' else '/predict-json')}
+    servers['FastAPI raw'] = (servers['FastAPI'][0], 8766, '/predict-raw')
     if args.baseline:
         servers[f'serve.py at {args.baseline}'] = ([sys.executable, baseline_serve(args.baseline), '--model', model,
                                                      '--port', '8767'], 8767, '/predict')

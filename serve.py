@@ -119,9 +119,7 @@ class App:
         self.pool = concurrent.futures.ThreadPoolExecutor(args.threads, thread_name_prefix='predict')
         self.waiting, self.budget, self.room = 0, BODY_BUDGET, asyncio.Condition()
 
-    async def __call__(self, scope, receive, send):
-        if scope['type'] != 'http':
-            return
+    async def __call__(self, scope, receive, send):  # an HTTP request: no lifespan events, no WebSockets (UVICORN)
         started = time.perf_counter()
         self.counts[self.slot] += 1
         try:

@@ -19,6 +19,7 @@ import concurrent.futures
 import contextlib
 import errno
 import json
+import logging
 import math
 import multiprocessing
 import os
@@ -334,6 +335,10 @@ def serve(model, args):
     """Serve on --workers processes under Gunicorn; on Windows, where Gunicorn does not run, on this one."""
     bind = check_address(args.host, args.port)
     torch.set_num_threads(1)  # a tiny model: one torch thread per request, requests on --threads threads
+    # An Upgrade header (curl --http2 sends one) is answered over HTTP/1.1 as it should be; uvicorn's two warnings
+    # of it, advising a WebSocket library, leave nothing to act on
+    logging.getLogger('uvicorn.error').addFilter(lambda record: 'upgrade request' not in record.getMessage().lower()
+                                                 and 'WebSocket library' not in record.getMessage())
     workers = 1 if sys.platform == 'win32' else args.workers  # on Windows one process, whatever --workers says
     app = App(model, args, workers)
     if sys.platform == 'win32':

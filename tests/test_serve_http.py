@@ -258,6 +258,18 @@ def test_head_and_options(server):
     assert response.headers['allow'] == 'POST, OPTIONS' == json.loads(response.read())['allow']
 
 
+def test_an_upgrade_header_is_answered_over_http_1_1_and_not_warned_of(server):
+    """curl --http2 asks to upgrade to h2c, a WebSocket client to websocket: the request is answered as it is
+    (no WebSockets here), and the log has no word of it (uvicorn's warnings advise installing a library)."""
+    for upgrade in ('h2c', 'websocket'):
+        replies, _ = exchange(server[0], f'GET /health?{upgrade} HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\n'
+                                         f'Upgrade: {upgrade}\r\n\r\n'.encode(), count=1)
+        assert replies[0][0] == 200 and replies[0][2]['status'] == 'ok', replies
+        server[2].wait_for(lambda line: line.startswith(f'GET /health?{upgrade} 200'))
+    log = server[2].drain()
+    assert 'Unsupported upgrade' not in log and 'WebSocket' not in log, log
+
+
 @pytest.mark.parametrize('first', [
     b'POST /predict/ HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\nhello',  # 404 with its body unread
     b'POST /health HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n',  # 405

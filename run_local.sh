@@ -64,6 +64,8 @@ bench)
 serve)
     shift
     venv "${VENV:-.venv}" -r requirements.txt -r requirements-serve.txt
+    # macOS: Objective-C's fork check may crash Gunicorn's workers (forked, never exec'd): docs/troubleshooting.md
+    if [ "$(uname -s)" = Darwin ]; then export OBJC_DISABLE_INITIALIZE_FORK_SAFETY=YES; fi
     exec "$PY" serve.py --model ./output/single/best_model.pth "$@"
     ;;
 mutants)

@@ -1,4 +1,5 @@
 """What a newcomer meets first: --help, a script uploaded without common.py, run_local.sh's flags and installs."""
+import os
 import re
 import shutil
 import sys
@@ -94,6 +95,23 @@ def test_each_run_local_command_installs_what_it_needs_whatever_ran_before(order
         installed += installs
         assert any(line.startswith(('mnist_train', 'serve.py', '-m pytest', 'tests/benchmark.py'))
                    for line in calls.read_text().splitlines()), f'{command} ran nothing'
+
+
+@pytest.mark.parametrize('system, check', [('Darwin', 'YES'), ('Linux', '')])
+def test_run_local_serve_turns_objective_c_fork_check_off_on_macos_only(system, check, tmp_path):
+    bin_dir = tmp_path / 'bin'
+    bin_dir.mkdir()
+    for name, text in (('python3', FAKE_PYTHON + 'echo "objc check off: ${OBJC_DISABLE_INITIALIZE_FORK_SAFETY:-}" '
+                                                 '>> "$CALLS"\n'), ('uname', f'#!/bin/sh\necho {system}\n')):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    calls = tmp_path / 'calls'
+    env = script_env(PYTHON=str(bin_dir / 'python3'), VENV=str(tmp_path / 'venv'), CALLS=str(calls),
+                     PATH=f'{bin_dir}:{os.environ["PATH"]}')
+    run(['bash', ROOT / 'run_local.sh', 'serve'], env=env, timeout=60)
+    lines = calls.read_text().splitlines()
+    served = lines.index(next(line for line in lines if line.startswith('serve.py')))
+    assert lines[served + 1] == f'objc check off: {check}', lines
 
 
 @pytest.mark.one_leg

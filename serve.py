@@ -335,10 +335,10 @@ def serve(model, args):
     """Serve on --workers processes under Gunicorn; on Windows, where Gunicorn does not run, on this one."""
     bind = check_address(args.host, args.port)
     torch.set_num_threads(1)  # a tiny model: one torch thread per request, requests on --threads threads
-    # An Upgrade header (curl --http2 sends one) is answered over HTTP/1.1 as it should be; uvicorn's two warnings
-    # of it, advising a WebSocket library, leave nothing to act on
-    logging.getLogger('uvicorn.error').addFilter(lambda record: 'upgrade request' not in record.getMessage().lower()
-                                                 and 'WebSocket library' not in record.getMessage())
+    # uvicorn warns twice of each request with an Upgrade header (curl --http2 sends one), advising a WebSocket
+    # library; the request is answered over HTTP/1.1, as it should be: nothing to act on
+    logging.getLogger('uvicorn.error').addFilter(
+        lambda record: not record.getMessage().startswith(('Unsupported upgrade', 'No supported WebSocket')))
     workers = 1 if sys.platform == 'win32' else args.workers  # on Windows one process, whatever --workers says
     app = App(model, args, workers)
     if sys.platform == 'win32':

@@ -110,7 +110,7 @@ def test_run_local_serve_turns_objective_c_fork_check_off_on_macos_only(system, 
                      PATH=f'{bin_dir}:{os.environ["PATH"]}')
     run(['bash', ROOT / 'run_local.sh', 'serve'], env=env, timeout=60)
     lines = calls.read_text().splitlines()
-    served = lines.index(next(line for line in lines if line.startswith('serve.py')))
+    served = next(k for k, line in enumerate(lines) if line.startswith('serve.py'))
     assert lines[served + 1] == f'objc check off: {check}', lines
 
 

@@ -449,10 +449,15 @@ def test_a_stop_answers_the_requests_in_progress_then_exits_0(model_file, sig, n
     image = png(3)
     with socket.create_connection(('127.0.0.1', port), timeout=30) as s, \
             socket.create_connection(('127.0.0.1', port), timeout=30) as idle:
-        s.sendall(b'POST /predict HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n' % len(image) + image[:40])
         idle.sendall(b'GET /health HTTP/1.1\r\nHost: x\r\n\r\n')
         assert read_replies(idle, count=1)[0][0][0] == 200
-        time.sleep(0.3)  # the server has the first request's headers
+        # 100 Continue: the application has the request and asks for its body (counted as in progress by then)
+        s.sendall(b'POST /predict HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\nContent-Length: %d\r\n\r\n'
+                  % len(image))
+        interim = b''
+        while not interim.endswith(b'\r\n\r\n'):
+            interim += s.recv(1)
+        assert interim.startswith(b'HTTP/1.1 100 '), interim
         proc.send_signal(sig)
         line = reader.wait_for(lambda line: line.startswith('Stopping'))
         assert line == f'Stopping on {name}: accepting no new connections, answering the requests in progress (1) ' \
@@ -465,7 +470,7 @@ def test_a_stop_answers_the_requests_in_progress_then_exits_0(model_file, sig, n
                 break
         else:
             raise AssertionError('still accepting connections 10 s after the signal')
-        s.sendall(image[40:])  # the rest of the request, after the signal
+        s.sendall(image)  # the body, after the signal
         replies, closed = read_replies(s)
         assert [status for status, _, _ in replies] == [200] and closed
         assert idle.recv(100) == b'', 'an idle kept-alive connection is closed'

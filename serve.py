@@ -306,6 +306,7 @@ class Master(Arbiter):
     own Ctrl-C drops the requests in progress); a second one stops at once."""
 
     def handle_term(self, name='SIGTERM'):
+        self.app.stopping.value = 1
         print(f'Stopping on {name}: accepting no new connections, answering the requests in progress '
               f'({sum(self.app.application.counts)}) within {self.cfg.graceful_timeout:g}s.', flush=True)
         raise StopIteration  # Gunicorn's graceful stop
@@ -320,6 +321,7 @@ class Service(BaseApplication):
 
     def __init__(self, application, options):
         self.application, self.options = application, options
+        self.stopping = multiprocessing.RawValue('b', 0)  # shared with the workers: set once a stop has begun
         super().__init__()
 
     def load_config(self):
@@ -359,11 +361,18 @@ def serve(model, args):
     def post_fork(arbiter, worker):
         app.slot = worker.slot
 
+    def post_worker_init(worker):
+        # A stop signalled before this worker set its signal handlers reached the master's, copied by the fork, and
+        # was lost (gunicorn#1910): the stop would wait --grace for this worker. From here on a SIGTERM ends it.
+        if worker.app.stopping.value:
+            sys.exit(0)
+
     options = {'bind': [bind], 'workers': args.workers, 'worker_class': Worker, 'preload_app': True,
                'timeout': args.worker_timeout, 'graceful_timeout': math.ceil(args.grace), 'keepalive': 60,
                'backlog': 2048, 'loglevel': 'warning', 'control_socket_disable': True, 'pre_fork': pre_fork,
                'worker_tmp_dir': '/dev/shm' if os.path.isdir('/dev/shm') else None,  # heartbeats in memory
-               'post_fork': post_fork, 'when_ready': lambda arbiter: print(serving_line(
+               'post_fork': post_fork, 'post_worker_init': post_worker_init,
+               'when_ready': lambda arbiter: print(serving_line(
                    args.model, arbiter.LISTENERS[0].sock.getsockname(), args.workers), flush=True)}
     Master(Service(app, options)).run()
     return 0

@@ -478,6 +478,22 @@ def test_a_stop_answers_the_requests_in_progress_then_exits_0(model_file, sig, n
     assert 'Traceback' not in reader.rest()
 
 
+def test_a_stop_while_the_workers_start_is_not_lost(model_file):
+    """SIGTERM while the workers have not yet set their own signal handlers (held back a second here): the forked
+    copy of Gunicorn's master handlers takes it and nothing acts on it (gunicorn#1910), so the stop would wait
+    --grace; each worker checks whether a stop has begun once its handlers are set."""
+    code = ('import runpy, sys, time, uvicorn_worker; init = uvicorn_worker.UvicornWorker.init_signals; '
+            'uvicorn_worker.UvicornWorker.init_signals = lambda worker: (time.sleep(1), init(worker)); '
+            'sys.argv[0] = sys.argv[1]; del sys.argv[1]; runpy.run_path(sys.argv[0], run_name="__main__")')
+    proc, reader = start([sys.executable, '-c', code, SERVE, '--model', model_file, '--port', str(free_port()),
+                          '--workers', '2', '--grace', '600'])
+    STARTED.append(proc)
+    reader.wait_for(lambda line: line.startswith('Serving'), timeout=60)
+    proc.terminate()
+    assert proc.wait(timeout=60) == 0, 'the stop waits for --grace (600 s)'
+    assert 'Traceback' not in reader.rest()
+
+
 @pytest.mark.skipif(sys.platform != 'linux', reason='reads the worker processes from /proc')
 def test_a_killed_worker_is_replaced_and_every_request_after_it_is_answered(model_file):
     """kill -9 of a worker, as the kernel's OOM killer does: Gunicorn starts another."""

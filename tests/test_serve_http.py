@@ -456,7 +456,9 @@ def test_a_stop_answers_the_requests_in_progress_then_exits_0(model_file, sig, n
                   % len(image))
         interim = b''
         while not interim.endswith(b'\r\n\r\n'):
-            interim += s.recv(1)
+            byte = s.recv(1)
+            assert byte, f'the connection closed after {interim!r}'
+            interim += byte
         assert interim.startswith(b'HTTP/1.1 100 '), interim
         proc.send_signal(sig)
         line = reader.wait_for(lambda line: line.startswith('Stopping'))
@@ -490,7 +492,7 @@ def test_a_stop_while_the_workers_start_is_not_lost(model_file):
     STARTED.append(proc)
     reader.wait_for(lambda line: line.startswith('Serving'), timeout=60)
     proc.terminate()
-    assert proc.wait(timeout=60) == 0, 'the stop waits for --grace (600 s)'
+    assert proc.wait(timeout=60) == 0  # a lost signal: TimeoutExpired, the stop waiting --grace (600 s)
     assert 'Traceback' not in reader.rest()
 
 

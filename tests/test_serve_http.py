@@ -443,6 +443,29 @@ def test_a_client_that_goes_away_costs_no_more_work(model_file):
     assert sum(line.startswith('POST /predict 499 ') for line in lines) >= 2, lines  # dropped, not answered
 
 
+def send_head_for_100_continue(s, length):
+    """Send a POST's head asking for 100 Continue and wait for it: uvicorn sends it when the application first asks
+    for the body, so the request is in progress (and counted) from then on."""
+    s.sendall(b'POST /predict HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\nContent-Length: %d\r\n\r\n' % length)
+    interim = b''
+    while not interim.endswith(b'\r\n\r\n'):
+        byte = s.recv(1)
+        assert byte, f'the connection closed after {interim!r}'
+        interim += byte
+    assert interim.startswith(b'HTTP/1.1 100 '), interim
+
+
+def wait_until_refused(port):
+    """Once every process has closed the listening socket (within the server's next tick of a stop)."""
+    for _ in range(200):
+        try:
+            socket.create_connection(('127.0.0.1', port), timeout=5).close()
+            time.sleep(0.05)
+        except ConnectionRefusedError:
+            return
+    raise AssertionError('still accepting connections 10 s after the signal')
+
+
 @pytest.mark.parametrize('sig, name', [(signal.SIGTERM, 'SIGTERM'), (signal.SIGINT, 'SIGINT')])
 def test_a_stop_answers_the_requests_in_progress_then_exits_0(model_file, sig, name):
     proc, reader, port = serve(model_file, '--workers', '2')
@@ -451,33 +474,40 @@ def test_a_stop_answers_the_requests_in_progress_then_exits_0(model_file, sig, n
             socket.create_connection(('127.0.0.1', port), timeout=30) as idle:
         idle.sendall(b'GET /health HTTP/1.1\r\nHost: x\r\n\r\n')
         assert read_replies(idle, count=1)[0][0][0] == 200
-        # 100 Continue: the application has the request and asks for its body (counted as in progress by then)
-        s.sendall(b'POST /predict HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\nContent-Length: %d\r\n\r\n'
-                  % len(image))
-        interim = b''
-        while not interim.endswith(b'\r\n\r\n'):
-            byte = s.recv(1)
-            assert byte, f'the connection closed after {interim!r}'
-            interim += byte
-        assert interim.startswith(b'HTTP/1.1 100 '), interim
+        send_head_for_100_continue(s, len(image))
         proc.send_signal(sig)
         line = reader.wait_for(lambda line: line.startswith('Stopping'))
         assert line == f'Stopping on {name}: accepting no new connections, answering the requests in progress (1) ' \
                        f'within 30s.\n'
-        for _ in range(200):  # the listening socket closes within the server's next tick
-            try:
-                socket.create_connection(('127.0.0.1', port), timeout=5).close()
-                time.sleep(0.05)
-            except ConnectionRefusedError:
-                break
-        else:
-            raise AssertionError('still accepting connections 10 s after the signal')
+        wait_until_refused(port)
         s.sendall(image)  # the body, after the signal
         replies, closed = read_replies(s)
         assert [status for status, _, _ in replies] == [200] and closed
         assert idle.recv(100) == b'', 'an idle kept-alive connection is closed'
     assert proc.wait(timeout=30) == 0
-    assert 'Traceback' not in reader.rest()
+    rest = reader.rest()
+    assert 'Traceback' not in rest and '[ERROR]' not in rest  # workers end with exit 0, not killed by the signal
+
+
+@pytest.mark.skipif(sys.platform != 'linux', reason='reads the worker processes from /proc')
+def test_a_second_ctrl_c_stops_at_once(model_file):
+    """Ctrl-C in a terminal signals the master and every worker; a second one while a request is in progress stops
+    at once (not after --grace), exit 0, without a traceback, an error or a warning."""
+    proc, reader, port = serve(model_file, '--workers', '2', '--grace', '600')
+    group = [proc.pid, *answering(port, 2)]
+    with socket.create_connection(('127.0.0.1', port), timeout=30) as s:
+        send_head_for_100_continue(s, 100)  # its body never comes
+        for pid in group:
+            os.kill(pid, signal.SIGINT)
+        wait_until_refused(port)  # every process has taken the first Ctrl-C
+        for pid in group:
+            with contextlib.suppress(ProcessLookupError):  # the idle worker has ended
+                os.kill(pid, signal.SIGINT)
+        assert proc.wait(timeout=60) == 0  # TimeoutExpired: waiting --grace
+        with contextlib.suppress(ConnectionResetError):
+            assert s.recv(100) == b'', 'dropped unanswered'
+    rest = reader.rest()
+    assert not re.search(r'Traceback|\[ERROR\]|\[WARNING\]', rest), rest
 
 
 def test_a_stop_while_the_workers_start_is_not_lost(model_file):

@@ -2,7 +2,7 @@
 
 Run command of an EAS service deployed from the training image, with the dataset mounted at /mnt/data:
   pip install -r /mnt/data/requirements-serve.txt && \
-      python /mnt/data/serve.py --host 0.0.0.0 --model /mnt/data/output/best_model.pth
+      exec python /mnt/data/serve.py --host 0.0.0.0 --model /mnt/data/output/best_model.pth
 On your own machine (after ./run_local.sh; or ./run_local.sh serve):
   python serve.py --model ./output/single/best_model.pth
   python serve.py --model ./output/single/best_model.pth --predict digit.png ...   (no server)

@@ -1,11 +1,16 @@
 """serve.py behind PAI-EAS as its users call it: EAS's own Python SDK (eas-prediction) through a stand-in for EAS's
 gateway, and POST / answering exactly as POST /predict."""
 import base64
+import contextlib
 import hashlib
 import hmac
 import http.client
 import http.server
 import json
+import os
+import re
+import shlex
+import signal
 import subprocess
 import sys
 import threading
@@ -15,10 +20,12 @@ import pytest
 from torchvision import datasets
 
 import framing
-from conftest import ROOT, free_port, script_env, start
+from conftest import ROOT, LineReader, free_port, script_env, start
 from test_serve import encode, forward
 
 TOKEN = 'test-token'
+SERVE = ROOT / 'serve.py'
+RUN_COMMAND = re.compile(r'`(pip install -r /mnt/data/requirements-serve\.txt && [^`]*)`')  # the docs' EAS command
 GATEWAY_MAX_BODY = 1024 * 1024  # EAS's gateway takes request bodies of at most 1 MB
 # The SDK as its users run it: its client sends each request, prints the reply (or the error) as one JSON line.
 CLIENT = '''
@@ -178,3 +185,28 @@ def test_post_to_the_root_answers_as_predict_does(service, mnist_dir):
     connection.request('PUT', '/', b'x')
     response = connection.getresponse()
     assert response.status == 405 and json.loads(response.read()) == {'error': '/ takes GET or POST'}
+
+
+@pytest.mark.skipif(sys.platform == 'win32', reason='a POSIX shell runs the command')
+def test_the_documented_run_command_stops_gracefully_when_its_process_gets_sigterm(model_file):
+    """EAS runs the run command (it has an &&) in a shell and stops the service with SIGTERM to the process it
+    started: the command execs serve.py, so that process is serve.py and stops gracefully, not the shell."""
+    docs = [ROOT / 'README.md', *sorted((ROOT / 'docs').glob('*.md'))]
+    commands = {command for doc in docs for command in RUN_COMMAND.findall(doc.read_text(encoding='utf-8'))}
+    assert len(commands) == 1, commands  # the same command in every doc
+    port = free_port()
+    command = (commands.pop().replace('pip install -r /mnt/data/requirements-serve.txt', 'true')  # installed here
+               .replace('python /mnt/data/serve.py', f'{shlex.quote(sys.executable)} {shlex.quote(str(SERVE))}')
+               .replace('/mnt/data/output/best_model.pth', shlex.quote(str(model_file)))
+               .replace('--host 0.0.0.0', f'--host 127.0.0.1 --port {port}'))
+    proc = subprocess.Popen(['/bin/sh', '-c', command], cwd=ROOT, env=script_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    reader = LineReader(proc)
+    try:
+        reader.wait_for(lambda line: line.startswith('Serving'), timeout=60)
+        proc.terminate()
+        reader.wait_for(lambda line: line.startswith('Stopping on SIGTERM'), timeout=30)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # a serve.py that a shell left running

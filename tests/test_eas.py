@@ -21,10 +21,9 @@ from torchvision import datasets
 
 import framing
 from conftest import ROOT, LineReader, free_port, script_env, start
-from test_serve import encode, forward
+from test_serve import SERVE, encode, forward
 
 TOKEN = 'test-token'
-SERVE = ROOT / 'serve.py'
 RUN_COMMAND = re.compile(r'`(pip install -r /mnt/data/requirements-serve\.txt && [^`]*)`')  # the docs' EAS command
 GATEWAY_MAX_BODY = 1024 * 1024  # EAS's gateway takes request bodies of at most 1 MB
 # The SDK as its users run it: its client sends each request, prints the reply (or the error) as one JSON line.

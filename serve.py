@@ -363,14 +363,14 @@ def serve(model, args):
         app.slot = worker.slot
 
     def post_worker_init(worker):
-        # A stop signalled before this worker set its signal handlers reached the master's, copied by the fork, and
-        # was lost (gunicorn#1910): the stop would wait --grace for this worker. From here on a SIGTERM ends it.
-        if worker.app.stopping.value:
-            sys.exit(0)
         # uvicorn raises its stop signal again once it has stopped: the worker ends there with exit 0, not killed by it
         # (which Gunicorn logs as an error or a warning); so does a stop before uvicorn's handlers, no request taken yet
         for stop in (signal.SIGTERM, signal.SIGINT):
             signal.signal(stop, lambda signum, frame: os._exit(0))
+        # A stop signalled before this worker's own handlers reached the master's, copied by the fork, and was lost
+        # (gunicorn#1910): the stop would wait --grace for this worker. Checked after the line above: none slips by.
+        if worker.app.stopping.value:
+            sys.exit(0)
 
     options = {'bind': [bind], 'workers': args.workers, 'worker_class': Worker, 'preload_app': True,
                'timeout': args.worker_timeout, 'graceful_timeout': math.ceil(args.grace), 'keepalive': 60,

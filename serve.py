@@ -62,25 +62,19 @@ PAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'page', 'index.h
 
 
 def usable_cpus():
-    """Worker processes by default: the CPUs this process may use, its affinity (where the platform has one) and a
-    container's CPU quota."""
+    """Worker processes by default: the CPUs this process may use, by its affinity (where the platform has one) and a
+    Linux container's CPU quota (Docker --cpus, Kubernetes limits): cgroup v2, then v1."""
     if sys.platform == 'win32':  # no fork, and no SIGTERM to stop a worker gracefully: one process
         return 1
     count = len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count() or 1
-    quota = cgroup_cpu_quota()
-    return max(1, min(count, math.ceil(quota)) if quota else count)
-
-
-def cgroup_cpu_quota():
-    """CPUs' worth of time a Linux container may use (Docker --cpus, Kubernetes limits), or None: cgroup v2, then v1."""
     for quota_file, period_file in (('cpu.max', 'cpu.max'), ('cpu/cpu.cfs_quota_us', 'cpu/cpu.cfs_period_us')):
         try:  # v2: "max 100000" or "200000 100000"; v1: -1 (no quota) or 200000, and 100000 in a file of its own
             with open(os.path.join(CGROUP, quota_file)) as q, open(os.path.join(CGROUP, period_file)) as p:
                 quota, period = q.read().split()[0], int(p.read().split()[-1])
-            return int(quota) / period if quota not in ('max', '-1') and period > 0 else None
-        except (OSError, ValueError, IndexError):
+            return count if quota in ('max', '-1') else max(1, min(count, math.ceil(int(quota) / period)))
+        except (OSError, ValueError, IndexError, ZeroDivisionError):
             continue
-    return None
+    return count
 
 
 def parse_args():
@@ -356,11 +350,8 @@ def serve(model, args):
 
     def pre_fork(arbiter, worker):  # a slot of the counts for each worker, reused once its worker has gone
         taken = {other.slot for other in arbiter.WORKERS.values()}
-        worker.slot = next(k for k in range(len(app.counts)) if k not in taken)
+        worker.slot = app.slot = next(k for k in range(len(app.counts)) if k not in taken)  # app.slot: the fork's copy
         app.counts[worker.slot] = app.held[worker.slot] = 0
-
-    def post_fork(arbiter, worker):
-        app.slot = worker.slot
 
     def post_worker_init(worker):
         # uvicorn raises its stop signal again once it has stopped: the worker ends there with exit 0, not killed by it
@@ -376,7 +367,7 @@ def serve(model, args):
                'timeout': args.worker_timeout, 'graceful_timeout': math.ceil(args.grace), 'keepalive': 60,
                'backlog': 2048, 'loglevel': 'warning', 'control_socket_disable': True, 'pre_fork': pre_fork,
                'worker_tmp_dir': '/dev/shm' if os.path.isdir('/dev/shm') else None,  # heartbeats in memory
-               'post_fork': post_fork, 'post_worker_init': post_worker_init,
+               'post_worker_init': post_worker_init,
                'when_ready': lambda arbiter: print(serving_line(
                    args.model, arbiter.LISTENERS[0].sock.getsockname(), args.workers), flush=True)}
     Master(Service(app, options)).run()

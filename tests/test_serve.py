@@ -235,7 +235,10 @@ def test_a_worker_holding_2_more_busy_connections_than_another_closes_one():
     ({'cpu/cpu.cfs_quota_us': '300000\n', 'cpu/cpu.cfs_period_us': '100000\n'}, 64, 3),  # cgroup v1
     ({'cpu/cpu.cfs_quota_us': '-1\n', 'cpu/cpu.cfs_period_us': '100000\n'}, 64, 64),  # v1, no quota
     ({'cpu.max': 'garbage'}, 4, 4),
-], ids=['none', 'v2-max', 'v2-2', 'v2-1.5', 'v2-0.5', 'affinity', 'v1-3', 'v1-none', 'garbage'])
+    ({'cpu.max': 'abc 100000\n', 'cpu/cpu.cfs_quota_us': '200000\n', 'cpu/cpu.cfs_period_us': '100000\n'}, 4, 2),
+    ({'cpu.max': '100000 0\n'}, 4, 4),
+], ids=['none', 'v2-max', 'v2-2', 'v2-1.5', 'v2-0.5', 'affinity', 'v1-3', 'v1-none', 'garbage', 'v2-bad-v1',
+        'period-0'])
 def test_the_default_workers_follow_the_cpus_the_process_may_use(files, affinity, expected, tmp_path, monkeypatch):
     import serve
     for name, text in files.items():
@@ -248,11 +251,12 @@ def test_the_default_workers_follow_the_cpus_the_process_may_use(files, affinity
 
 
 @pytest.mark.parametrize('platform_cpus', [4, None])
-def test_without_cpu_affinity_as_on_macos_the_cpu_count_is_used_and_windows_has_one_worker(platform_cpus, monkeypatch):
+def test_without_cpu_affinity_as_on_macos_the_cpu_count_is_used_and_windows_has_one_worker(platform_cpus, tmp_path,
+                                                                                          monkeypatch):
     import serve
     monkeypatch.delattr(serve.os, 'sched_getaffinity', raising=False)  # as on macOS
     monkeypatch.setattr(serve.os, 'cpu_count', lambda: platform_cpus)
-    monkeypatch.setattr(serve, 'cgroup_cpu_quota', lambda: None)
+    monkeypatch.setattr(serve, 'CGROUP', str(tmp_path))  # no cgroup files, as on macOS
     monkeypatch.setattr(serve.sys, 'platform', 'darwin')
     assert serve.usable_cpus() == (platform_cpus or 1)
     monkeypatch.setattr(serve.sys, 'platform', 'win32')  # one process: no fork, no graceful stop of others

@@ -225,6 +225,36 @@ def test_a_worker_holding_2_more_busy_connections_than_another_closes_one():
     assert not any(alone.crowded(kept[n % 4]) for n in range(check))
 
 
+@pytest.mark.skipif(sys.platform == 'win32', reason='Gunicorn, whose hook this is, does not run on Windows')
+def test_each_worker_is_forked_with_a_slot_of_its_own_and_a_replacement_reuses_a_freed_one(monkeypatch):
+    """Gunicorn's pre_fork hook of serve.serve, called as Gunicorn's master calls it before each fork: the App the
+    worker is forked with (a copy) holds the worker's slot of the shared counts, and a freed slot is reused, zeroed."""
+    import serve
+    services = []
+
+    class Master:  # Gunicorn's master, not run: its pre_fork hook is called below as it calls it
+        def __init__(self, service):
+            services.append(service)
+
+        def run(self):
+            pass
+    monkeypatch.setattr(serve, 'Master', Master)
+    monkeypatch.setattr(serve.torch, 'set_num_threads', lambda threads: None)  # this test process's torch: as it was
+    args = argparse.Namespace(model='model.pth', host='127.0.0.1', port=0, workers=2, threads=1, timeout=30,
+                              deadline=10, worker_timeout=30, grace=30)
+    assert serve.serve(None, args) == 0
+    pre_fork, app = services[0].options['pre_fork'], services[0].application
+    arbiter, workers = argparse.Namespace(WORKERS={}), [argparse.Namespace() for _ in range(3)]
+    for pid, worker in enumerate(workers[:2]):
+        pre_fork(arbiter, worker)
+        assert app.slot == worker.slot == pid  # what the forked worker's App holds
+        arbiter.WORKERS[pid] = worker
+    app.counts[0], app.held[0] = 1, 4  # left by the first worker, then killed
+    del arbiter.WORKERS[0]
+    pre_fork(arbiter, workers[2])
+    assert app.slot == workers[2].slot == 0 and app.counts[0] == app.held[0] == 0
+
+
 @pytest.mark.parametrize('files, affinity, expected', [
     ({}, 8, 8),  # no cgroup files: the affinity
     ({'cpu.max': 'max 100000\n'}, 8, 8),  # cgroup v2, no quota

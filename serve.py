@@ -115,7 +115,7 @@ class App:
         self.pool = concurrent.futures.ThreadPoolExecutor(args.threads, thread_name_prefix='predict')
         self.waiting, self.budget, self.room = 0, BODY_BUDGET, asyncio.Condition()
 
-    async def __call__(self, scope, receive, send):  # an HTTP request: no lifespan events, no WebSockets (UVICORN)
+    async def __call__(self, scope, receive, send):  # an HTTP request: no lifespan events, no WebSockets (Worker)
         started = time.perf_counter()
         self.counts[self.slot] += 1
         try:
@@ -266,34 +266,31 @@ async def read_body(receive, deadline, timeout):
         timer.cancel()
 
 
-UVICORN = {'http': 'h11', 'h11_max_incomplete_event_size': MAX_HEAD_BYTES, 'ws': 'none', 'lifespan': 'off',
-           'access_log': False, 'server_header': False}  # h11: a parser with a bound on the head
-
-
 def check_address(host, port):
-    """Gunicorn's bind for host:port, once it is known to be free here (IPv4 or IPv6), or SetupError in one line."""
+    """Gunicorn's bind for host:port, once it is known to be free here, or SetupError in one line. IPv6 where the host
+    has a ':', as Gunicorn and uvicorn bind."""
     if not 0 <= port <= 65535:
         raise common.SetupError(f'--port {port} is not a port: pass one from 1 to 65535 (or 0 for any free one).')
-    try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                                             flags=socket.AI_PASSIVE)[0]
-    except socket.gaierror as e:
-        raise common.SetupError(f'cannot listen on {host}: no such address on this machine ({e.strerror}); pass '
-                                f'--host 0.0.0.0 (every IPv4 address), :: (IPv6) or 127.0.0.1.') from None
-    with socket.socket(family, kind, proto) as probe:  # the server binds it once more, as Gunicorn does
+    family = socket.AF_INET6 if ':' in host else socket.AF_INET
+    with socket.socket(family) as probe:  # the server binds it once more, as Gunicorn does
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            probe.bind(address)
+            probe.bind((host, port))
+        except socket.gaierror as e:
+            raise common.SetupError(f'cannot listen on {host}: no such address on this machine ({e.strerror}); pass '
+                                    f'--host 0.0.0.0 (every IPv4 address), :: (IPv6) or 127.0.0.1.') from None
         except OSError as e:
             advice = ('pass another --port, or stop what is using it' if e.errno == errno.EADDRINUSE else
                       'pass --host with an address of this machine, or 0.0.0.0')
             raise common.SetupError(f'cannot listen on {host}:{port} ({e.strerror}); {advice}.') from None
-    return f'[{address[0]}]:{port}' if family == socket.AF_INET6 else f'{address[0]}:{port}'
+    return f'[{host}]:{port}' if family == socket.AF_INET6 else f'{host}:{port}'
 
 
 class Worker(UvicornWorker):
-    """A worker process of Gunicorn's serving App with uvicorn: h11 (its head bound), uvloop where installed."""
-    CONFIG_KWARGS = {'loop': 'auto', **UVICORN}
+    """A worker process of Gunicorn's serving App with uvicorn: h11 (a parser with a bound on the head), uvloop where
+    installed. Windows' one process, without Gunicorn, runs uvicorn with the same settings."""
+    CONFIG_KWARGS = {'loop': 'auto', 'http': 'h11', 'h11_max_incomplete_event_size': MAX_HEAD_BYTES, 'ws': 'none',
+                     'lifespan': 'off', 'access_log': False, 'server_header': False}
 
 
 class Master(Arbiter):
@@ -339,8 +336,9 @@ def serve(model, args):
     workers = 1 if sys.platform == 'win32' else args.workers  # on Windows one process, whatever --workers says
     app = App(model, args, workers)
     if sys.platform == 'win32':
-        server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, timeout_keep_alive=60,
-                                               timeout_graceful_shutdown=args.grace, log_level='warning', **UVICORN))
+        config = uvicorn.Config(app, host=args.host, port=args.port, timeout_keep_alive=60,
+                                timeout_graceful_shutdown=args.grace, log_level='warning', **Worker.CONFIG_KWARGS)
+        server = uvicorn.Server(config)
         sock = server.config.bind_socket()
         sock.listen(2048)  # connections wait from now on, not from when uvicorn's loop starts
         print(serving_line(args.model, sock.getsockname(), 1), flush=True)

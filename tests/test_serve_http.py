@@ -628,6 +628,7 @@ def test_where_gunicorn_does_not_run_one_process_serves(model_file):
     (['--host', 'no-such-host.invalid'],
      'error: cannot listen on no-such-host.invalid: no such address on this machine'),
     (['--port', 'IN_USE'], 'Address already in use); pass another --port, or stop what is using it.'),
+    (['--host', '192.0.2.1'], '); pass --host with an address of this machine, or 0.0.0.0.'),  # TEST-NET-1: not ours
 ])
 def test_start_up_errors_are_one_line(model_file, flags, message):
     with socket.socket() as taken:

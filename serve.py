@@ -339,7 +339,7 @@ def serve(model, args):
         config = uvicorn.Config(app, host=args.host, port=args.port, timeout_keep_alive=60,
                                 timeout_graceful_shutdown=args.grace, log_level='warning', **Worker.CONFIG_KWARGS)
         server = uvicorn.Server(config)
-        sock = server.config.bind_socket()
+        sock = config.bind_socket()
         sock.listen(2048)  # connections wait from now on, not from when uvicorn's loop starts
         print(serving_line(args.model, sock.getsockname(), 1), flush=True)
         with contextlib.suppress(KeyboardInterrupt):  # uvicorn raises the signal again once it has stopped

@@ -640,17 +640,19 @@ def test_start_up_errors_are_one_line(model_file, flags, message):
     assert returncode == 1 and message in stderr and len(stderr.strip().splitlines()) == 1, stderr
 
 
-def test_ipv6(model_file):
+@pytest.mark.parametrize('host, address, url_host', [('::1', '::1', '[::1]'),
+                                                      ('localhost', '127.0.0.1', '127.0.0.1')])  # as Gunicorn binds it
+def test_ipv6_and_a_hostname(model_file, host, address, url_host):
     try:
-        socket.socket(socket.AF_INET6).bind(('::1', 0))
+        socket.socket(socket.AF_INET6 if ':' in address else socket.AF_INET).bind((address, 0))
     except OSError:
-        pytest.skip('no IPv6 loopback here')
+        pytest.skip(f'no {address} loopback here')
     port = free_port()
-    proc, reader = start([sys.executable, SERVE, '--model', model_file, '--host', '::1', '--port', str(port)])
+    proc, reader = start([sys.executable, SERVE, '--model', model_file, '--host', host, '--port', str(port)])
     try:
         assert reader.wait_for(lambda line: line.startswith('Serving'), timeout=60).startswith(
-            f'Serving {model_file} on http://[::1]:{port} ')
-        connection = http.client.HTTPConnection('::1', port, timeout=30)
+            f'Serving {model_file} on http://{url_host}:{port} ')
+        connection = http.client.HTTPConnection(address, port, timeout=30)
         connection.request('GET', '/health')
         assert connection.getresponse().status == 200
     finally:

@@ -1,5 +1,5 @@
-"""What mnist_train.py and mnist_train_distributed.py share, in three parts after the flag helpers:
-the model, the data, and the checkpoints that let a stopped or restarted job pick up its work.
+"""What mnist_train.py and mnist_train_distributed.py share, in three parts after the set-up helpers (flags,
+device, CPU threads): the model, the data, and the checkpoints that let a stopped or restarted job pick up its work.
 
 Everything else, the training loop included, stays in each script, so that each reads beside the
 document's own.
@@ -63,6 +63,33 @@ def check_device(name):
             raise SetupError(f'--device {name} is not available on this machine ({reason}); pass '
                              f'--device cpu, or leave --device out to use a CUDA GPU when there is one.') from None
     return device
+
+
+CGROUP = '/sys/fs/cgroup'  # a Linux container's own CPU limits, where it has them
+
+
+def usable_cpus():
+    """The CPUs this process may use: its affinity (where the platform has one) and a Linux container's CPU quota
+    (Docker --cpus, Kubernetes limits: cgroup v2, then v1), which neither os.cpu_count() nor torch sees."""
+    count = len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count() or 1
+    for quota_file, period_file in (('cpu.max', 'cpu.max'), ('cpu/cpu.cfs_quota_us', 'cpu/cpu.cfs_period_us')):
+        try:  # v2: "max 100000" or "200000 100000"; v1: -1 (no quota) or 200000, and 100000 in a file of its own
+            with open(os.path.join(CGROUP, quota_file)) as q, open(os.path.join(CGROUP, period_file)) as p:
+                quota, period = q.read().split()[0], int(p.read().split()[-1])
+            return count if quota in ('max', '-1') else max(1, min(count, math.ceil(int(quota) / period)))
+        except (OSError, ValueError, IndexError, ZeroDivisionError):
+            continue
+    return count
+
+
+def limit_cpu_threads():
+    """At most usable_cpus() threads for torch's CPU work. torch starts one per core of the host: in a container
+    with a quota of fewer CPUs they are throttled in turn, and a training step takes several times as long.
+    OMP_NUM_THREADS, where set (torchrun sets 1 for several processes a node), is left to decide."""
+    threads, cpus = torch.get_num_threads(), usable_cpus()
+    if 'OMP_NUM_THREADS' not in os.environ and cpus < threads:
+        torch.set_num_threads(cpus)
+        print(f'CPU threads: {cpus}, the CPUs this process may use (torch would start {threads}).')
 
 
 # === Model ========================================================================================

@@ -161,6 +161,7 @@ if __name__ == '__main__':
     sys.stdout.reconfigure(line_buffering=True, write_through=False)
     args = parse_args()
     common.stop_on_signals(args)  # Ctrl-C and SIGTERM end the run with one line
+    common.limit_cpu_threads()  # torch counts the host's cores, not a container's CPU quota
     try:
         main(args)
     except common.SetupError as e:

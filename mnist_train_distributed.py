@@ -534,6 +534,7 @@ if __name__ == '__main__':
     sys.stdout.reconfigure(line_buffering=True, write_through=False)
     args = parse_args()
     common.stop_on_signals(args, main_process=int(os.environ.get('RANK', 0)) == 0)  # one line, from rank 0
+    common.limit_cpu_threads()  # torch counts the host's cores, not a container's CPU quota
     try:
         main(args)
     except common.SetupError as e:

@@ -57,24 +57,7 @@ BODY_BUDGET = 8 * MAX_BODY_BYTES  # bytes of request bodies a worker process hol
 QUICK_BYTES, QUICK_PIXELS = 65536, 28 * 28  # a body and its images this small are read on the event loop
 SPREAD_CHECK = 100  # replies between a worker's counts of the kept-alive connections it serves
 ROUTES = {'/': ('GET', 'HEAD', 'POST'), '/predict': ('POST',), '/health': ('GET', 'HEAD')}  # POST /: EAS's SDK
-CGROUP = '/sys/fs/cgroup'  # a Linux container's own CPU limits, where it has them
 PAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'page', 'index.html')  # GET /: try the model
-
-
-def usable_cpus():
-    """Worker processes by default: the CPUs this process may use, by its affinity (where the platform has one) and a
-    Linux container's CPU quota (Docker --cpus, Kubernetes limits): cgroup v2, then v1."""
-    if sys.platform == 'win32':  # no fork, and no SIGTERM to stop a worker gracefully: one process
-        return 1
-    count = len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count() or 1
-    for quota_file, period_file in (('cpu.max', 'cpu.max'), ('cpu/cpu.cfs_quota_us', 'cpu/cpu.cfs_period_us')):
-        try:  # v2: "max 100000" or "200000 100000"; v1: -1 (no quota) or 200000, and 100000 in a file of its own
-            with open(os.path.join(CGROUP, quota_file)) as q, open(os.path.join(CGROUP, period_file)) as p:
-                quota, period = q.read().split()[0], int(p.read().split()[-1])
-            return count if quota in ('max', '-1') else max(1, min(count, math.ceil(int(quota) / period)))
-        except (OSError, ValueError, IndexError, ZeroDivisionError):
-            continue
-    return count
 
 
 def parse_args():
@@ -85,7 +68,8 @@ def parse_args():
                         help='address to listen on: 0.0.0.0 on EAS, :: for IPv6 (default: %(default)s, local only)')
     parser.add_argument('--port', type=int, default=8000,
                         help='port to listen on; 0 picks a free one (default: %(default)s)')
-    parser.add_argument('--workers', type=common.positive(int), default=usable_cpus(),
+    parser.add_argument('--workers', type=common.positive(int),  # Windows: no fork, no graceful stop of a worker
+                        default=1 if sys.platform == 'win32' else common.usable_cpus(),
                         help='worker processes (default: the CPUs this process may use, %(default)s)')
     parser.add_argument('--threads', type=common.positive(int), default=1,
                         help='threads of each worker that read images and run the model (default: %(default)s)')

@@ -79,6 +79,58 @@ def test_check_device_says_mps_needs_a_mac():
         common.check_device('mps')
 
 
+# --- CPUs and threads ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize('files, affinity, expected', [
+    ({}, 8, 8),  # no cgroup files: the affinity
+    ({'cpu.max': 'max 100000\n'}, 8, 8),  # cgroup v2, no quota
+    ({'cpu.max': '200000 100000\n'}, 64, 2),  # docker --cpus 2 on a 64-core host
+    ({'cpu.max': '150000 100000\n'}, 64, 2),  # 1.5 CPUs: rounded up
+    ({'cpu.max': '50000 100000\n'}, 64, 1),
+    ({'cpu.max': '400000 100000\n'}, 3, 3),  # taskset to 3 cores: fewer than the quota
+    ({'cpu/cpu.cfs_quota_us': '300000\n', 'cpu/cpu.cfs_period_us': '100000\n'}, 64, 3),  # cgroup v1
+    ({'cpu/cpu.cfs_quota_us': '-1\n', 'cpu/cpu.cfs_period_us': '100000\n'}, 64, 64),  # v1, no quota
+    ({'cpu.max': 'garbage'}, 4, 4),
+    ({'cpu.max': 'abc 100000\n', 'cpu/cpu.cfs_quota_us': '200000\n', 'cpu/cpu.cfs_period_us': '100000\n'}, 4, 2),
+    ({'cpu.max': '100000 0\n'}, 4, 4),
+], ids=['none', 'v2-max', 'v2-2', 'v2-1.5', 'v2-0.5', 'affinity', 'v1-3', 'v1-none', 'garbage', 'v2-bad-v1',
+        'period-0'])
+def test_usable_cpus_follow_the_affinity_and_a_containers_quota(files, affinity, expected, tmp_path, monkeypatch):
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    monkeypatch.setattr(common, 'CGROUP', str(tmp_path))
+    monkeypatch.setattr(common.os, 'sched_getaffinity', lambda pid: set(range(affinity)), raising=False)
+    assert common.usable_cpus() == expected
+
+
+@pytest.mark.parametrize('platform_cpus', [4, None])
+def test_without_cpu_affinity_as_on_macos_the_cpu_count_is_used(platform_cpus, tmp_path, monkeypatch):
+    monkeypatch.delattr(common.os, 'sched_getaffinity', raising=False)  # as on macOS
+    monkeypatch.setattr(common.os, 'cpu_count', lambda: platform_cpus)
+    monkeypatch.setattr(common, 'CGROUP', str(tmp_path))  # no cgroup files, as on macOS
+    assert common.usable_cpus() == (platform_cpus or 1)
+
+
+@pytest.mark.parametrize('omp, cpus, expected, line', [
+    (None, 2, 2, 'CPU threads: 2, the CPUs this process may use (torch would start 8).\n'),  # a quota of 2
+    (None, 8, 8, ''),  # no quota, or one of as many CPUs as torch's threads
+    (None, 16, 8, ''),  # never more threads than torch's own count
+    ('4', 2, 8, ''),  # OMP_NUM_THREADS: the user's or torchrun's choice, kept
+], ids=['quota', 'no-quota', 'more-cpus', 'omp-set'])
+def test_torch_threads_are_capped_at_the_usable_cpus(omp, cpus, expected, line, monkeypatch, capsys):
+    threads = [8]  # torch's, as on an 8-core host; this test process's own torch is left as it is
+    monkeypatch.setattr(common.torch, 'get_num_threads', lambda: threads[-1])
+    monkeypatch.setattr(common.torch, 'set_num_threads', threads.append)
+    monkeypatch.setattr(common, 'usable_cpus', lambda: cpus)
+    monkeypatch.delenv('OMP_NUM_THREADS', raising=False)
+    if omp:
+        monkeypatch.setenv('OMP_NUM_THREADS', omp)
+    common.limit_cpu_threads()
+    assert threads[-1] == expected
+    assert capsys.readouterr().out == line
+
+
 # --- --data-dir ---------------------------------------------------------------------------------
 
 def test_mnist_root_takes_the_folder_that_holds_mnist_raw(tmp_path, capsys):

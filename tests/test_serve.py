@@ -255,39 +255,10 @@ def test_each_worker_is_forked_with_a_slot_of_its_own_and_a_replacement_reuses_a
     assert app.slot == workers[2].slot == 0 and app.counts[0] == app.held[0] == 0
 
 
-@pytest.mark.parametrize('files, affinity, expected', [
-    ({}, 8, 8),  # no cgroup files: the affinity
-    ({'cpu.max': 'max 100000\n'}, 8, 8),  # cgroup v2, no quota
-    ({'cpu.max': '200000 100000\n'}, 64, 2),  # docker --cpus 2 on a 64-core host
-    ({'cpu.max': '150000 100000\n'}, 64, 2),  # 1.5 CPUs: rounded up
-    ({'cpu.max': '50000 100000\n'}, 64, 1),
-    ({'cpu.max': '400000 100000\n'}, 3, 3),  # taskset to 3 cores: fewer than the quota
-    ({'cpu/cpu.cfs_quota_us': '300000\n', 'cpu/cpu.cfs_period_us': '100000\n'}, 64, 3),  # cgroup v1
-    ({'cpu/cpu.cfs_quota_us': '-1\n', 'cpu/cpu.cfs_period_us': '100000\n'}, 64, 64),  # v1, no quota
-    ({'cpu.max': 'garbage'}, 4, 4),
-    ({'cpu.max': 'abc 100000\n', 'cpu/cpu.cfs_quota_us': '200000\n', 'cpu/cpu.cfs_period_us': '100000\n'}, 4, 2),
-    ({'cpu.max': '100000 0\n'}, 4, 4),
-], ids=['none', 'v2-max', 'v2-2', 'v2-1.5', 'v2-0.5', 'affinity', 'v1-3', 'v1-none', 'garbage', 'v2-bad-v1',
-        'period-0'])
-def test_the_default_workers_follow_the_cpus_the_process_may_use(files, affinity, expected, tmp_path, monkeypatch):
+def test_the_default_workers_are_the_usable_cpus_and_one_on_windows(monkeypatch):
     import serve
-    for name, text in files.items():
-        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / name).write_text(text)
-    monkeypatch.setattr(serve, 'CGROUP', str(tmp_path))
-    monkeypatch.setattr(serve.sys, 'platform', 'linux')
-    monkeypatch.setattr(serve.os, 'sched_getaffinity', lambda pid: set(range(affinity)), raising=False)
-    assert serve.usable_cpus() == expected
-
-
-@pytest.mark.parametrize('platform_cpus', [4, None])
-def test_without_cpu_affinity_as_on_macos_the_cpu_count_is_used_and_windows_has_one_worker(platform_cpus, tmp_path,
-                                                                                          monkeypatch):
-    import serve
-    monkeypatch.delattr(serve.os, 'sched_getaffinity', raising=False)  # as on macOS
-    monkeypatch.setattr(serve.os, 'cpu_count', lambda: platform_cpus)
-    monkeypatch.setattr(serve, 'CGROUP', str(tmp_path))  # no cgroup files, as on macOS
-    monkeypatch.setattr(serve.sys, 'platform', 'darwin')
-    assert serve.usable_cpus() == (platform_cpus or 1)
+    monkeypatch.setattr(serve.sys, 'argv', ['serve.py'])
+    monkeypatch.setattr(serve.common, 'usable_cpus', lambda: 3)
+    assert serve.parse_args().workers == 3
     monkeypatch.setattr(serve.sys, 'platform', 'win32')  # one process: no fork, no graceful stop of others
-    assert serve.usable_cpus() == 1
+    assert serve.parse_args().workers == 1

@@ -1,12 +1,14 @@
 """mnist_train.py end to end, run as a user runs it: logs, TensorBoard, checkpoints, resume."""
 import re
 import signal
+import sys
 
+import pytest
 import torch
 from torchvision import datasets, transforms
 
 import common
-from conftest import read_review, read_scalars, run, start, train_cmd
+from conftest import ROOT, read_review, read_scalars, run, script_env, start, train_cmd
 
 FAST = ('--lr', '0.1', '--batch-size', '16', '--log-interval', '10')  # learns the tiny set in 3 epochs
 
@@ -153,3 +155,25 @@ def test_a_real_tensorboard_shows_the_new_tabs(mnist_dir, tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+# The scripts run with the test's container CPU quota (a cgroup v2 cpu.max of 1 CPU), as torch sees none.
+QUOTA_RUN = ('import atexit, common, runpy, sys, torch; print("torch threads at start:", torch.get_num_threads()); '
+             'common.CGROUP = sys.argv.pop(1); sys.argv.pop(0); '
+             'atexit.register(lambda: print("torch threads at exit:", torch.get_num_threads())); '
+             'runpy.run_path(sys.argv[0], run_name="__main__")')
+
+
+@pytest.mark.parametrize('script', ['mnist_train.py', 'mnist_train_distributed.py'])
+def test_in_a_container_with_a_cpu_quota_torch_runs_as_many_threads_as_it_has_cpus(script, mnist_dir, tmp_path):
+    (tmp_path / 'cgroup').mkdir()
+    (tmp_path / 'cgroup' / 'cpu.max').write_text('100000 100000\n')  # docker --cpus 1
+    env = script_env(PYTHONPATH=str(ROOT))
+    del env['OMP_NUM_THREADS']
+    _, stdout, _ = run([sys.executable, '-c', QUOTA_RUN, tmp_path / 'cgroup', ROOT / script, '--data-dir', mnist_dir,
+                        '--output-dir', tmp_path / 'out', '--epochs', '1', *FAST], env=env)
+    threads = int(re.search(r'^torch threads at start: (\d+)$', stdout, re.M)[1])
+    if threads == 1:
+        pytest.skip('torch starts one thread on this machine: no more than the quota')
+    assert f'\nCPU threads: 1, the CPUs this process may use (torch would start {threads}).\n' in stdout
+    assert stdout.endswith('Training complete. writer.close()\ntorch threads at exit: 1\n')

@@ -1,4 +1,5 @@
-"""mnist_train.py end to end, run as a user runs it: logs, TensorBoard, checkpoints, resume."""
+"""mnist_train.py end to end, run as a user runs it: logs, TensorBoard, checkpoints, resume; and both scripts' CPU
+threads in a container with a CPU quota."""
 import re
 import signal
 import sys
@@ -157,7 +158,7 @@ def test_a_real_tensorboard_shows_the_new_tabs(mnist_dir, tmp_path):
         proc.wait(timeout=30)
 
 
-# The scripts run with the test's container CPU quota (a cgroup v2 cpu.max of 1 CPU), as torch sees none.
+# A script run in a container CPU quota of the test's own (a cgroup v2 cpu.max of 1 CPU), which torch does not see.
 QUOTA_RUN = ('import atexit, common, runpy, sys, torch; print("torch threads at start:", torch.get_num_threads()); '
              'common.CGROUP = sys.argv.pop(1); sys.argv.pop(0); '
              'atexit.register(lambda: print("torch threads at exit:", torch.get_num_threads())); '

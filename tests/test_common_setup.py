@@ -93,8 +93,9 @@ def test_check_device_says_mps_needs_a_mac():
     ({'cpu.max': 'garbage'}, 4, 4),
     ({'cpu.max': 'abc 100000\n', 'cpu/cpu.cfs_quota_us': '200000\n', 'cpu/cpu.cfs_period_us': '100000\n'}, 4, 2),
     ({'cpu.max': '100000 0\n'}, 4, 4),
+    ({'cpu.max': 'max 100000\n', 'cpu/cpu.cfs_quota_us': '200000\n', 'cpu/cpu.cfs_period_us': '100000\n'}, 4, 4),
 ], ids=['none', 'v2-max', 'v2-2', 'v2-1.5', 'v2-0.5', 'affinity', 'v1-3', 'v1-none', 'garbage', 'v2-bad-v1',
-        'period-0'])
+        'period-0', 'v2-first'])
 def test_usable_cpus_follow_the_affinity_and_a_containers_quota(files, affinity, expected, tmp_path, monkeypatch):
     for name, text in files.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
@@ -627,6 +628,24 @@ def test_a_stop_of_a_no_resume_run_before_its_first_epoch_ignores_the_earlier_ru
     monkeypatch.setattr(common, '_epochs_saved', 0)  # set aside by resume(), no epoch finished since
     assert stop(args_for(tmp_path, no_resume=True), signal.SIGTERM) == (
         143, 'Stopped by SIGTERM, after 0 finished epochs: the same command resumes from epoch 0.\n')
+
+
+def test_a_stop_counts_the_epochs_this_run_resumed_from_or_saved(tmp_path, stop):
+    """resume() and save_checkpoint() record the count the stop line says, whatever checkpoint.pth holds then."""
+    model = common.SimpleCNN()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    best = str(tmp_path / 'best_model.pth')
+    common.resume(checkpoint_of(model, epochs_done=4), model, optimizer, best)  # none on disk: the record counts
+    assert stop(args_for(tmp_path), signal.SIGTERM) == (
+        143, 'Stopped by SIGTERM, after 4 finished epochs: the same command resumes from epoch 4.\n')
+    common.resume(None, model, optimizer, best)
+    assert stop(args_for(tmp_path), signal.SIGTERM) == (
+        143, 'Stopped by SIGTERM, after 0 finished epochs: the same command resumes from epoch 0.\n')
+    args = args_for(tmp_path, no_resume=True)  # a stop of a --no-resume run reads no checkpoint.pth
+    common.save_checkpoint(args, argparse.Namespace(flush=lambda: None), model, optimizer, 5, 90.0, 4)
+    assert stop(args, signal.SIGTERM) == (
+        143, 'Stopped by SIGTERM, after 5 finished epochs: the same command without --no-resume resumes from '
+             'epoch 5.\n')
 
 
 def test_a_stop_removes_what_is_being_written_and_only_rank_0_speaks(tmp_path, stop, monkeypatch):

@@ -29,7 +29,8 @@ import time
 
 import torch
 
-from bench_serve import ROOT, baseline_serve, in_threads, model_or_fresh, pngs, tree_pss  # beside this file
+from bench_serve import (ROOT, baseline_serve, in_threads, model_or_fresh, pngs, scratch_folder,  # beside this file
+                         tree_pss)
 
 LITSERVE_APP = '''
 import base64, os, sys
@@ -209,7 +210,7 @@ def main():
     bodies = ([multipart(png) for png in images] if args.form == 'multipart' else
               [(json.dumps({'image': base64.b64encode(png).decode()}).encode(), {'Content-Type': 'application/json'})
                for png in images])
-    folder = tempfile.mkdtemp()
+    folder = scratch_folder()
     for name, source in (('litserve_app.py', LITSERVE_APP), ('fastapi_app.py', FASTAPI_APP)):
         with open(os.path.join(folder, name), 'w') as f:
             f.write(source.format(root=ROOT, model=model, port=8765))

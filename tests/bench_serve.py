@@ -16,6 +16,7 @@ between the two. Any model serves at the same speed: without --model, a freshly 
 Not part of the test suite.
 """
 import argparse
+import atexit
 import http.client
 import io
 import os
@@ -133,9 +134,16 @@ def tree_cpu_seconds(pid):
     return total
 
 
+def scratch_folder():
+    """A new temporary folder, removed when the benchmark ends."""
+    folder = tempfile.mkdtemp(prefix='mnist-bench-')
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return folder
+
+
 def baseline_serve(rev):
     """The path of serve.py as it was at git revision rev, with that revision's common.py beside it."""
-    folder = tempfile.mkdtemp()
+    folder = scratch_folder()
     for name in ('serve.py', 'common.py', 'framing.py'):
         source = subprocess.run(['git', 'show', f'{rev}:{name}'], cwd=ROOT, capture_output=True)
         if source.returncode == 0:  # framing.py only where the revision has it
@@ -225,7 +233,7 @@ def model_or_fresh(path):
     if path:
         return path
     torch.manual_seed(0)
-    path = os.path.join(tempfile.mkdtemp(), 'best_model.pth')
+    path = os.path.join(scratch_folder(), 'best_model.pth')
     torch.save(common.SimpleCNN().state_dict(), path)
     return path
 
@@ -265,8 +273,6 @@ def main():
                           for kind, (wall, cpu, status) in f['kinds'].items()) +
                   f'  8 clients sending the largest images: peak memory {f["pss"] / 2**20:.0f} MiB (PSS), CPU '
                   f'{f["cpu1"]:.2f} s (PNG) and {f["cpu2"]:.2f} s (JPEG) alone, HTTP {f["big_statuses"]}', flush=True)
-    if args.baseline:
-        shutil.rmtree(os.path.dirname(scripts[f'serve.py at {args.baseline}']))
 
 
 if __name__ == '__main__':

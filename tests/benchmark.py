@@ -14,6 +14,7 @@ import argparse
 import contextlib
 import io
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -94,7 +95,7 @@ def main():
 
     times = {name: [] for name in pipelines}
     train_part = []
-    log_dir = tempfile.mkdtemp(prefix='mnist-bench-')
+    log_dir = tempfile.mkdtemp(prefix='mnist-bench-')  # the document's writes are timed, not kept
     writer = SummaryWriter(log_dir)
     for rep in range(args.repeats):
         order = pipelines if rep % 2 == 0 else pipelines[::-1]
@@ -128,6 +129,7 @@ def main():
             print(f'repetition {rep}: ' + ', '.join(f'{n} {times[n][-1]:.2f}s' for n in pipelines)
                   + f' (ours: train part {train_part[-1]:.2f}s)', flush=True)
     writer.close()
+    shutil.rmtree(log_dir)
     if args.only:  # VmHWM: this process's peak RSS (ru_maxrss would include the parent's, from before exec)
         with open('/proc/self/status') as status:
             print(next(line for line in status if line.startswith('VmHWM')))

@@ -75,6 +75,7 @@ def distributed(args, out, form, *extra, fresh=True):
     where = (['--standalone'] if form == 'standalone' else
              ['--nnodes=1', '--node_rank=0', '--master_addr=127.0.0.1', f'--master_port={free_port()}'])
     command = [sys.executable, '-m', 'torch.distributed.run', *where, f'--nproc_per_node={args.processes}', *extra,
+               f'--log-dir={out / "torchrun"}',  # torchrun's own folders here, not left in the temporary folder
                'mnist_train_distributed.py', '--device', args.device, '--epochs', args.epochs, '--data-dir',
                args.data_dir, '--output-dir', out, *(['--no-resume'] if fresh else []), *args.script_flags]
     return subprocess.Popen([str(a) for a in command], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -122,18 +123,18 @@ def check_restart(args, out):
            + ('' if ok else f': {output.strip()[-400:]}'))
 
 
-def check_serve(args, model_path):
-    """serve.py without CUDA reads the model saved on the device and gives the device's digits."""
+def check_serve(args, model_path, out):
+    """serve.py without CUDA reads the model saved on the device and gives the device's digits (out: the digits)."""
     import common
     import framing
     from torchvision import datasets
     model = common.SimpleCNN().to(args.device)
     model.load_state_dict(torch.load(model_path, map_location=args.device, weights_only=True))
     test_set = datasets.MNIST(root=args.data_dir, train=False)
-    folder = Path(tempfile.mkdtemp(prefix='gpu-check-'))
+    out.mkdir(parents=True, exist_ok=True)
     paths = []
     for i in range(20):
-        paths.append(folder / f'{i}.png')
+        paths.append(out / f'{i}.png')
         test_set[i][0].save(paths[-1])
     with torch.no_grad():
         batch = torch.cat([framing.to_tensor(path.read_bytes()) for path in paths]).to(args.device)
@@ -216,7 +217,7 @@ def main():
         report('placement', 'skipped', 'CUDA only (each process on its own GPU with NCCL)')
     check_distributed(args, out / 'static', 'static')
     check_restart(args, out / 'restart')
-    check_serve(args, out / 'single' / 'best_model.pth')
+    check_serve(args, out / 'single' / 'best_model.pth', out / 'serve')
     check_review(out / 'single')
     counts = {outcome: sum(o == outcome for _, o in results) for outcome in ('ok', 'FAILED', 'skipped')}
     print(f'gpu-check: {counts["ok"]} passed, {counts["FAILED"]} failed, {counts["skipped"]} skipped')

@@ -52,14 +52,22 @@ def test_run_local_gives_each_script_only_the_flags_it_takes(mnist_dir, tmp_path
     assert f'Models:      {out}/single/best_model.pth, {out}/distributed/best_model.pth' in stdout
 
 
+def left_in(temporary_folder):
+    """What runs left in their temporary folder, torch's compiler cache aside (one folder, reused by every run)."""
+    return sorted(path.name for path in temporary_folder.iterdir() if not path.name.startswith('torchinductor_'))
+
+
 @pytest.mark.one_leg
-def test_the_benchmarks_run_and_print_their_figures(mnist_dir):
+def test_the_benchmarks_run_print_their_figures_and_leave_no_temporary_files(mnist_dir, tmp_path):
     # Speed is not asserted here (that belongs to the benchmarks themselves): only that they still run.
-    _, stdout, _ = run([sys.executable, ROOT / 'tests' / 'benchmark.py', '--data-dir', mnist_dir, '--repeats', '1'])
+    env = script_env(TMPDIR=str(tmp_path))
+    _, stdout, _ = run([sys.executable, ROOT / 'tests' / 'benchmark.py', '--data-dir', mnist_dir, '--repeats', '1'],
+                       env=env)
     assert re.search(r'^ours / document +\d+\.\d{3} ', stdout, re.M) and 'peak RSS' in stdout
     _, stdout, _ = run([sys.executable, ROOT / 'tests' / 'bench_serve.py', '--data-dir', mnist_dir,
-                        '--requests', '40', '--rounds', '1'])
+                        '--requests', '40', '--rounds', '1'], env=env)
     assert re.search(r'latency p50 \d+\.\d\d ms', stdout) and re.search(r'\d+ requests/s', stdout)
+    assert left_in(tmp_path) == []  # the TensorBoard events timed, the freshly initialised model served: removed
 
 
 # A stand-in for python3 and for the environment's python: it writes each command line it is given to $CALLS,
@@ -118,9 +126,12 @@ def test_run_local_serve_turns_objective_c_fork_check_off_on_macos_only(system, 
 def test_gpu_check_runs_every_check_on_the_cpu_and_fails_for_a_failed_one(mnist_big_dir, tmp_path):
     # CI has no GPU: the same command on the CPU checks its own logic. A bar no run reaches (101%) makes the
     # single script's check fail, and so the command; every other check still runs and passes.
+    out, temporary = tmp_path / 'out', tmp_path / 'tmp'
+    temporary.mkdir()
+    env = script_env(TMPDIR=str(temporary))
     returncode, stdout, _ = run([sys.executable, ROOT / 'tests' / 'gpu_check.py', '--device', 'cpu', '--data-dir',
-                                 mnist_big_dir, '--min-accuracy', '101', '--output-dir', tmp_path,
-                                 '--join-timeout', '120'], check=False, timeout=600)
+                                 mnist_big_dir, '--min-accuracy', '101', '--output-dir', out,
+                                 '--join-timeout', '120'], check=False, timeout=600, env=env)
     checks = dict(re.findall(r'^check (\w+): (ok|FAILED|skipped): ', stdout, re.M))
     assert checks == {'single': 'FAILED', 'placement': 'skipped', 'standalone': 'ok', 'static': 'ok',
                       'restart': 'ok', 'serve': 'ok', 'review': 'ok'}, stdout
@@ -130,3 +141,4 @@ def test_gpu_check_runs_every_check_on_the_cpu_and_fails_for_a_failed_one(mnist_
     assert re.search(r'^check standalone: ok: 2 processes, 2 validations of 200 images', stdout, re.M)
     assert re.search(r'^check serve: ok: 20 test digits: 20/20 as on cpu', stdout, re.M)
     assert stdout.splitlines()[-1] == 'gpu-check: 5 passed, 1 failed, 1 skipped' and returncode == 1
+    assert left_in(temporary) == []  # the digits served and torchrun's folders are in the output folder

@@ -4,9 +4,11 @@ import http.server
 import os
 import queue
 import re
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -251,6 +253,16 @@ def event_writers(log_dir):
 def pytest_configure(config):
     config.addinivalue_line('markers', 'one_leg: a slow test whose code does not depend on the torch version: run '
                                        'on the PAI image\'s torch 2.3 leg only, so each leg stays within minutes')
+    # The programs the tests start write their temporary files in a folder of the session's, removed at its end:
+    # torchrun leaves a torchelastic_* folder each run, and a stopped Chromium its profile's. This process keeps
+    # the temporary folder it had chosen (pytest's tmp_path is there).
+    global SESSION_TEMP
+    SESSION_TEMP = tempfile.mkdtemp(prefix='mnist-tests-')
+    os.environ['TMPDIR'] = SESSION_TEMP
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(SESSION_TEMP, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -16,7 +16,9 @@ Each check prints one line, `check NAME: ok|FAILED|skipped: figures or why`, and
   serve       serve.py --predict, and the server (one request), with the model saved on the device, on a view
               of the machine without CUDA (CUDA_VISIBLE_DEVICES=''): the digits the model gives on the device
   review      the TensorBoard review written from the device's tensors: its tags in the event file
-On the CPU (--device cpu, as CI runs it on tiny data) the CUDA-only check skips, saying so.
+On the CPU (--device cpu, as CI runs it on tiny data) the CUDA-only check skips, saying so. The runs write
+under --output-dir (the first line names it), each in a folder of its own (single/, standalone/, static/,
+restart/, serve/: the digits served), the torchrun jobs' own logs in their torchrun/ (a failed process's error.json).
 """
 import argparse
 import os

@@ -278,17 +278,23 @@ class Worker(UvicornWorker):
 
 
 class Master(Arbiter):
-    """Gunicorn's master process, saying what a stop waits for. Ctrl-C stops as gracefully as SIGTERM (Gunicorn's
-    own Ctrl-C drops the requests in progress); a second one stops at once."""
+    """Gunicorn's master process, saying what a stop waits for. Ctrl-C and SIGHUP (its terminal closed) stop as
+    gracefully as SIGTERM: Gunicorn's own Ctrl-C drops the requests in progress; on its SIGHUP the workers die and
+    are replaced, the service running on without a terminal. A second Ctrl-C stops at once; nohup's SIGHUP does not."""
 
     def handle_term(self, name='SIGTERM'):
         self.app.stopping.value = 1
-        print(f'Stopping on {name}: accepting no new connections, answering the requests in progress '
-              f'({sum(self.app.application.counts)}) within {self.cfg.graceful_timeout:g}s.', flush=True)
+        with contextlib.suppress(OSError):  # no terminal to print on any more (SIGHUP)
+            print(f'Stopping on {name}: accepting no new connections, answering the requests in progress '
+                  f'({sum(self.app.application.counts)}) within {self.cfg.graceful_timeout:g}s.', flush=True)
         raise StopIteration  # Gunicorn's graceful stop
 
     def handle_int(self):
         self.handle_term('SIGINT')
+
+    def handle_hup(self):
+        if not self.app.nohup:
+            self.handle_term('SIGHUP')
 
 
 class Service(BaseApplication):
@@ -298,6 +304,7 @@ class Service(BaseApplication):
     def __init__(self, application, options):
         self.application, self.options = application, options
         self.stopping = multiprocessing.RawValue('b', 0)  # shared with the workers: set once a stop has begun
+        self.nohup = signal.getsignal(signal.SIGHUP) == signal.SIG_IGN  # started by nohup: SIGHUP ignored
         super().__init__()
 
     def load_config(self):
@@ -340,6 +347,7 @@ def serve(model, args):
         # (which Gunicorn logs as an error or a warning); so does a stop before uvicorn's handlers, no request taken yet
         for stop in (signal.SIGTERM, signal.SIGINT):
             signal.signal(stop, lambda signum, frame: os._exit(0))
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)  # a closed terminal: the master stops the workers as on SIGTERM
         # A stop signalled before this worker's own handlers reached the master's, copied by the fork, and was lost
         # (gunicorn#1910): the stop would wait --grace for this worker. Checked after the line above: none slips by.
         if worker.app.stopping.value:

@@ -7,6 +7,7 @@ import io
 import json
 import os
 import re
+import select
 import shutil
 import signal
 import socket
@@ -21,7 +22,7 @@ import torch
 from PIL import Image, ImageDraw
 
 import framing
-from conftest import ROOT, free_port, run, start
+from conftest import ROOT, free_port, run, script_env, start
 
 SERVE = ROOT / 'serve.py'
 
@@ -467,7 +468,9 @@ def wait_until_refused(port):
     raise AssertionError('still accepting connections 10 s after the signal')
 
 
-@pytest.mark.parametrize('sig, name', [(signal.SIGTERM, 'SIGTERM'), (signal.SIGINT, 'SIGINT')])
+@pytest.mark.skipif(sys.platform == 'win32', reason="Gunicorn's stop: Windows' one process prints no Stopping line")
+@pytest.mark.parametrize('sig, name', [(signal.SIGTERM, 'SIGTERM'), (signal.SIGINT, 'SIGINT'),
+                                       (getattr(signal, 'SIGHUP', None), 'SIGHUP')])  # SIGHUP: a closed terminal
 def test_a_stop_answers_the_requests_in_progress_then_exits_0(model_file, sig, name):
     proc, reader, port = serve(model_file, '--workers', '2')
     image = png(3)
@@ -509,6 +512,54 @@ def test_a_second_ctrl_c_stops_at_once(model_file):
             assert s.recv(100) == b'', 'dropped unanswered'
     rest = reader.rest()
     assert not re.search(r'Traceback|\[ERROR\]|\[WARNING\]', rest), rest
+
+
+@pytest.mark.skipif(sys.platform == 'win32', reason='no terminals to close, no SIGHUP on Windows')
+def test_closing_its_terminal_stops_it_as_gracefully_as_sigterm(model_file):
+    """The terminal it runs in closes: its output has nowhere to go, and SIGHUP reaches each of its processes (the
+    shell's hang-up of its jobs). Gunicorn's own SIGHUP reloads the workers, dropping the request in progress,
+    and the service ran on without a terminal; here the request is answered, then every process exits, 0."""
+    import pty  # not on Windows
+    terminal, tty = pty.openpty()
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, SERVE, '--model', model_file, '--port', str(port), '--workers', '2'],
+                            cwd=ROOT, env=script_env(), stdin=subprocess.DEVNULL, stdout=tty, stderr=tty,
+                            start_new_session=True)
+    STARTED.append(proc)
+    os.close(tty)
+    shown = b''
+    while b'Serving' not in shown:
+        assert select.select([terminal], [], [], 60)[0], f'no Serving line within 60 s: {shown!r}'
+        shown += os.read(terminal, 4096)
+    with socket.create_connection(('127.0.0.1', port), timeout=30) as s:
+        image = png(3)
+        send_head_for_100_continue(s, len(image))
+        os.close(terminal)
+        os.killpg(proc.pid, signal.SIGHUP)
+        wait_until_refused(port)
+        s.sendall(image)  # the body, after the hang-up
+        replies, closed = read_replies(s)
+        assert [status for status, _, _ in replies] == [200] and closed
+    assert proc.wait(timeout=30) == 0
+    with pytest.raises(ProcessLookupError):
+        os.killpg(proc.pid, 0)  # no worker left running
+
+
+@pytest.mark.skipif(sys.platform == 'win32', reason='no nohup, no SIGHUP on Windows')
+def test_under_nohup_sighup_changes_nothing(model_file):
+    port = free_port()
+    proc, reader = start(['nohup', sys.executable, SERVE, '--model', model_file, '--port', str(port),
+                          '--workers', '2'])
+    STARTED.append(proc)
+    reader.wait_for(lambda line: line.startswith('Serving'), timeout=60)
+    workers = answering(port, 2)
+    for pid in (proc.pid, *workers):
+        os.kill(pid, signal.SIGHUP)
+    proc.terminate()  # taken after the SIGHUP: the first stop, if SIGHUP stopped it
+    assert reader.wait_for(lambda line: line.startswith('Stopping')).startswith('Stopping on SIGTERM:')
+    assert proc.wait(timeout=30) == 0
+    rest = reader.rest()
+    assert 'SIGHUP' not in rest, rest  # no worker ended by it (Gunicorn logs a worker killed by a signal)
 
 
 def test_a_stop_while_the_workers_start_is_not_lost(model_file):

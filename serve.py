@@ -264,8 +264,9 @@ def check_address(host, port):
             raise common.SetupError(f'cannot listen on {host}: no such address on this machine ({e.strerror}); pass '
                                     f'--host 0.0.0.0 (every IPv4 address), :: (IPv6) or 127.0.0.1.') from None
         except OSError as e:
-            advice = ('pass another --port, or stop what is using it' if e.errno == errno.EADDRINUSE else
-                      'pass --host with an address of this machine, or 0.0.0.0')
+            advice = {errno.EADDRINUSE: 'pass another --port, or stop what is using it',
+                      errno.EACCES: 'the port needs privileges (below 1024: root, on Linux); pass another --port'
+                      }.get(e.errno, 'pass --host with an address of this machine, or 0.0.0.0')
             raise common.SetupError(f'cannot listen on {host}:{port} ({e.strerror}); {advice}.') from None
     return f'[{host}]:{port}' if family == socket.AF_INET6 else f'{host}:{port}'
 

@@ -692,6 +692,20 @@ def test_start_up_errors_are_one_line(model_file, flags, message):
     assert returncode == 1 and message in stderr and len(stderr.strip().splitlines()) == 1, stderr
 
 
+def test_a_port_below_1024_without_root_is_named(model_file):
+    """As Linux refuses a port below 1024 to a user without root (simulated: the tests may run as root)."""
+    code = ('import errno, runpy, socket, sys\n'
+            'def bind(sock, address):\n'
+            '    raise PermissionError(errno.EACCES, "Permission denied")\n'
+            'socket.socket.bind = bind\n'
+            'sys.argv = sys.argv[1:]\n'
+            'runpy.run_path(sys.argv[0], run_name="__main__")\n')
+    returncode, _, stderr = run([sys.executable, '-c', code, SERVE, '--model', model_file, '--port', '80'],
+                                check=False, timeout=60)
+    assert returncode == 1 and stderr == 'error: cannot listen on 127.0.0.1:80 (Permission denied); the port needs ' \
+                                         'privileges (below 1024: root, on Linux); pass another --port.\n', stderr
+
+
 @pytest.mark.parametrize('host, address, url_host', [('::1', '::1', '[::1]'),
                                                       ('localhost', '127.0.0.1', '127.0.0.1')])  # as Gunicorn binds it
 def test_ipv6_and_a_hostname(model_file, host, address, url_host):

@@ -350,7 +350,7 @@ def serve(model, args):
             signal.signal(stop, lambda signum, frame: os._exit(0))
         signal.signal(signal.SIGHUP, signal.SIG_IGN)  # a closed terminal: the master stops the workers as on SIGTERM
         # A stop signalled before this worker's own handlers reached the master's, copied by the fork, and was lost
-        # (gunicorn#1910): the stop would wait --grace for this worker. Checked after the line above: none slips by.
+        # (gunicorn#1910): the stop would wait --grace for this worker. Checked after the handlers above: none slips by.
         if worker.app.stopping.value:
             sys.exit(0)
 
@@ -359,6 +359,7 @@ def serve(model, args):
                'backlog': 2048, 'loglevel': 'warning', 'control_socket_disable': True, 'pre_fork': pre_fork,
                'worker_tmp_dir': '/dev/shm' if os.path.isdir('/dev/shm') else None,  # heartbeats in memory
                'post_worker_init': post_worker_init,
+               'proc_name': 'serve.py',  # with setproctitle installed, titled gunicorn: master [serve.py]
                'when_ready': lambda arbiter: print(serving_line(
                    args.model, arbiter.LISTENERS[0].sock.getsockname(), args.workers), flush=True)}
     Master(Service(app, options)).run()

@@ -546,17 +546,23 @@ def test_closing_its_terminal_stops_it_as_gracefully_as_sigterm(model_file):
 
 
 @pytest.mark.skipif(sys.platform == 'win32', reason='no nohup, no SIGHUP on Windows')
-def test_under_nohup_sighup_changes_nothing(model_file):
+def test_under_nohup_sighup_changes_nothing_and_pkill_stops_it_gracefully(model_file):
     port = free_port()
     proc, reader = start(['nohup', sys.executable, SERVE, '--model', model_file, '--port', str(port),
                           '--workers', '2'])
     STARTED.append(proc)
     reader.wait_for(lambda line: line.startswith('Serving'), timeout=60)
     workers = answering(port, 2)
-    for pid in (proc.pid, *workers):
-        os.kill(pid, signal.SIGHUP)
-    proc.terminate()  # taken after the SIGHUP: the first stop, if SIGHUP stopped it
-    assert reader.wait_for(lambda line: line.startswith('Stopping')).startswith('Stopping on SIGTERM:')
+    with socket.create_connection(('127.0.0.1', port), timeout=30) as s:
+        image = png(3)
+        send_head_for_100_continue(s, len(image))
+        for sig in (signal.SIGHUP, signal.SIGTERM):  # SIGTERM as pkill -f serve.py sends it: to each process
+            for pid in (proc.pid, *workers):
+                os.kill(pid, sig)
+        assert reader.wait_for(lambda line: line.startswith('Stopping')).startswith('Stopping on SIGTERM:')
+        s.sendall(image)
+        replies, closed = read_replies(s)
+        assert [status for status, _, _ in replies] == [200] and closed
     assert proc.wait(timeout=30) == 0
     rest = reader.rest()
     assert 'SIGHUP' not in rest, rest  # no worker ended by it (Gunicorn logs a worker killed by a signal)
@@ -576,6 +582,16 @@ def test_a_stop_while_the_workers_start_is_not_lost(model_file):
     proc.terminate()
     assert proc.wait(timeout=60) == 0  # a lost signal: TimeoutExpired, the stop waiting --grace (600 s)
     assert 'Traceback' not in reader.rest()
+
+
+@pytest.mark.skipif(sys.platform != 'linux', reason='reads the worker processes from /proc')
+def test_its_processes_are_found_by_name(model_file):
+    """pgrep -f serve.py / pkill -f serve.py: where setproctitle is installed (the test requirements have it),
+    Gunicorn retitles its processes, by default gunicorn: master [gunicorn]."""
+    proc, _, port = serve(model_file, '--workers', '2')
+    for pid in (proc.pid, *answering(port, 2)):
+        with open(f'/proc/{pid}/cmdline', 'rb') as f:
+            assert b'serve.py' in f.read()
 
 
 @pytest.mark.skipif(sys.platform != 'linux', reason='reads the worker processes from /proc')

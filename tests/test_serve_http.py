@@ -517,8 +517,9 @@ def test_a_second_ctrl_c_stops_at_once(model_file):
 @pytest.mark.skipif(sys.platform == 'win32', reason='no terminals to close, no SIGHUP on Windows')
 def test_closing_its_terminal_stops_it_as_gracefully_as_sigterm(model_file):
     """The terminal it runs in closes: its output has nowhere to go, and SIGHUP reaches each of its processes (the
-    shell's hang-up of its jobs). Gunicorn's own SIGHUP reloads the workers, dropping the request in progress,
-    and the service ran on without a terminal; here the request is answered, then every process exits, 0."""
+    shell's hang-up of its jobs). Left to Gunicorn, the workers died of it, dropping the request in progress, and
+    the master started new ones: the service ran on without a terminal. Here the request is answered, then every
+    process exits, 0."""
     import pty  # not on Windows
     terminal, tty = pty.openpty()
     port = free_port()

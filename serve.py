@@ -93,8 +93,10 @@ class App:
 
     def __init__(self, model, args, workers):
         self.model, self.args, self.workers, self.slot = model, args, workers, 0  # slot: this worker's, below
-        # Shared by the worker processes, a slot each: requests in progress, busy kept-alive connections (crowded)
-        self.counts, self.held = multiprocessing.RawArray('i', workers + 8), multiprocessing.RawArray('i', workers + 8)
+        # Shared by the worker processes, a slot each: requests in progress, busy kept-alive connections (crowded).
+        # Room for replacements and for workers added by Gunicorn's TTIN signal (one each).
+        slots = workers + 1024
+        self.counts, self.held = multiprocessing.RawArray('i', slots), multiprocessing.RawArray('i', slots)
         self.clients, self.replies = collections.Counter(), 0  # replies by connection, and in all
         self.pool = concurrent.futures.ThreadPoolExecutor(args.threads, thread_name_prefix='predict')
         self.waiting, self.budget, self.room = 0, BODY_BUDGET, asyncio.Condition()

@@ -596,6 +596,25 @@ def test_its_processes_are_found_by_name(model_file):
 
 
 @pytest.mark.skipif(sys.platform != 'linux', reason='reads the worker processes from /proc')
+def test_workers_added_by_gunicorns_ttin_signal_serve_and_stop_with_the_others(model_file):
+    """kill -TTIN adds a worker process (Gunicorn's documented signal). Once the shared counts had no slot left
+    for one (8 more than --workers), the search for it raised StopIteration, which Gunicorn's master takes for a
+    graceful stop: the service ended, saying nothing."""
+    proc, reader, port = serve(model_file, '--workers', '1')
+    for count in range(2, 12):  # one at a time: signals of one kind sent at once may arrive as one
+        os.kill(proc.pid, signal.SIGTTIN)
+        deadline = time.monotonic() + 30
+        while len(workers_of(proc)) < count:
+            assert proc.poll() is None, reader.drain()
+            assert time.monotonic() < deadline, f'{workers_of(proc)} 30 s after the TTIN for worker {count}'
+            time.sleep(0.05)
+    assert {post(port, png(k))[0] for k in range(20)} == {200}
+    proc.terminate()
+    assert reader.wait_for(lambda line: line.startswith('Stopping')).startswith('Stopping on SIGTERM:')
+    assert proc.wait(timeout=30) == 0
+
+
+@pytest.mark.skipif(sys.platform != 'linux', reason='reads the worker processes from /proc')
 def test_a_killed_worker_is_replaced_and_every_request_after_it_is_answered(model_file):
     """kill -9 of a worker, as the kernel's OOM killer does: Gunicorn starts another."""
     proc, reader, port = serve(model_file, '--workers', '2')

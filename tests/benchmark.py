@@ -14,11 +14,9 @@ import argparse
 import contextlib
 import io
 import os
-import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 
 import torch
@@ -31,6 +29,7 @@ from torchvision import datasets, transforms
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import common  # noqa: E402
 import mnist_train  # noqa: E402
+from bench_serve import scratch_folder  # beside this file: removed when the benchmark ends
 
 
 def sync(device):
@@ -95,7 +94,7 @@ def main():
 
     times = {name: [] for name in pipelines}
     train_part = []
-    log_dir = tempfile.mkdtemp(prefix='mnist-bench-')  # the document's writes are timed, not kept
+    log_dir = scratch_folder()  # the document's writes are timed, not kept
     writer = SummaryWriter(log_dir)
     for rep in range(args.repeats):
         order = pipelines if rep % 2 == 0 else pipelines[::-1]
@@ -129,7 +128,6 @@ def main():
             print(f'repetition {rep}: ' + ', '.join(f'{n} {times[n][-1]:.2f}s' for n in pipelines)
                   + f' (ours: train part {train_part[-1]:.2f}s)', flush=True)
     writer.close()
-    shutil.rmtree(log_dir)
     if args.only:  # VmHWM: this process's peak RSS (ru_maxrss would include the parent's, from before exec)
         with open('/proc/self/status') as status:
             print(next(line for line in status if line.startswith('VmHWM')))

@@ -512,10 +512,11 @@ def save_checkpoint(args, writer, model, optimizer, epochs_done, best_val_accura
 
 
 def stop_on_signals(args, main_process=True):
-    """Make Ctrl-C (SIGINT) and SIGTERM (what torchrun, Kubernetes and DLC send) end the run at once.
+    """Make Ctrl-C (SIGINT), SIGTERM (what torchrun, Kubernetes and DLC send) and SIGHUP end the run at once.
 
+    SIGHUP: its terminal closed (an SSH session dropped); under nohup, which ignores it, it changes nothing.
     No traceback and no temporary file are left; the main process says in one line where the run
-    stopped and how to resume; the exit code is 128 + the signal, 130 or 143. Nothing needs
+    stopped and how to resume; the exit code is 128 + the signal, 130, 143 or 129. Nothing needs
     unwinding: every finished epoch is already on disk, and other ranks may be gone already.
     """
     def stop(signum, frame):
@@ -533,13 +534,18 @@ def stop_on_signals(args, main_process=True):
             epochs_done = epochs_done or 0
             how = 'the same command without --no-resume' if args.no_resume and epochs_done else 'the same command'
             name = 'Ctrl-C' if signum == signal.SIGINT else signal.Signals(signum).name
-            sys.stdout.flush()
-            sys.stderr.write(f'Stopped by {name}, after {epochs_done} finished epochs: {how} resumes from '
-                             f'epoch {epochs_done}.\n')
-            sys.stderr.flush()
+            # Either stream may be gone (a closed terminal, on SIGHUP; a closed pipe): the exit code still says it
+            with contextlib.suppress(OSError):
+                sys.stdout.flush()
+            with contextlib.suppress(OSError):
+                sys.stderr.write(f'Stopped by {name}, after {epochs_done} finished epochs: {how} resumes from '
+                                 f'epoch {epochs_done}.\n')
+                sys.stderr.flush()
         os._exit(128 + signum)
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGTERM, stop)
+    if hasattr(signal, 'SIGHUP') and signal.getsignal(signal.SIGHUP) != signal.SIG_IGN:  # not on Windows
+        signal.signal(signal.SIGHUP, stop)
 
 
 def check_finite(loss, epoch, batch_idx=None):

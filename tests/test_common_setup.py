@@ -1,8 +1,10 @@
 """Unit tests of common.py's set-up helpers: devices, data folders, extraction and download, checkpoints,
 resuming and stopping. Each message is asserted as the user reads it (the scripts print it as it is)."""
 import argparse
+import errno
 import gzip
 import hashlib
+import io
 import os
 import re
 import signal
@@ -574,10 +576,13 @@ def test_save_checkpoint_flushes_the_logs_then_writes_everything_to_resume(tmp_p
 
 # --- stopping ------------------------------------------------------------------------------------
 
+HANGUP = [signal.SIGHUP] if hasattr(signal, 'SIGHUP') else []  # not on Windows
+
+
 @pytest.fixture
 def stop(monkeypatch, capsys):
     """stop(args, signum, main_process) installs stop_on_signals, signals, and returns (exit code, stderr)."""
-    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, *HANGUP)}
 
     class Exit(Exception):
         pass
@@ -595,11 +600,30 @@ def stop(monkeypatch, capsys):
         signal.signal(signum, handler)
 
 
-@pytest.mark.parametrize('signum, code, name', [(signal.SIGTERM, 143, 'SIGTERM'), (signal.SIGINT, 130, 'Ctrl-C')])
+@pytest.mark.parametrize('signum, code, name', [(signal.SIGTERM, 143, 'SIGTERM'), (signal.SIGINT, 130, 'Ctrl-C'),
+                                               *[(signum, 129, 'SIGHUP') for signum in HANGUP]])
 def test_a_stop_says_where_to_resume_and_exits_128_plus_the_signal(tmp_path, stop, signum, code, name):
     torch.save(checkpoint_of(epochs_done=3), tmp_path / 'checkpoint.pth')
     assert stop(args_for(tmp_path), signum) == (
         code, f'Stopped by {name}, after 3 finished epochs: the same command resumes from epoch 3.\n')
+
+
+@pytest.mark.skipif(not HANGUP, reason='no SIGHUP on Windows')
+def test_under_nohup_a_hangup_changes_nothing(tmp_path, stop):
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # as nohup starts the script; the fixture restores it after
+    common.stop_on_signals(args_for(tmp_path))
+    assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+
+
+@pytest.mark.skipif(not HANGUP, reason='no SIGHUP on Windows')
+def test_a_stop_with_its_terminal_gone_still_exits_with_its_code(tmp_path, stop, monkeypatch):
+    class Gone(io.StringIO):  # a hung-up terminal: every write and flush fails with EIO
+        def write(self, text=None):
+            raise OSError(errno.EIO, 'Input/output error')
+        flush = write
+    monkeypatch.setattr(sys, 'stdout', Gone())
+    monkeypatch.setattr(sys, 'stderr', Gone())
+    assert stop(args_for(tmp_path), signal.SIGHUP) == (129, '')
 
 
 def test_a_stop_reads_only_weights_of_the_checkpoint(tmp_path, stop):

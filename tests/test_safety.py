@@ -192,7 +192,8 @@ def test_sigterm_to_every_rank_exits_143(mnist_big_dir, tmp_path):
     assert sorted(p.name for p in out.iterdir()) == ['best_model.pth', 'checkpoint.pth', 'runs']
 
 
-def test_a_stop_during_the_first_download_leaves_nothing_behind(mnist_big_dir, tmp_path):
+@pytest.mark.parametrize('signum, code, name', [(signal.SIGTERM, 143, 'SIGTERM'), (signal.SIGHUP, 129, 'SIGHUP')])
+def test_a_stop_during_the_first_download_leaves_nothing_behind(signum, code, name, mnist_big_dir, tmp_path):
     mirror = Mirror(gz_files(mnist_big_dir), delay=0.05)  # slow: a download to stop in the middle of
     data, raw = tmp_path / 'data', tmp_path / 'data' / 'MNIST' / 'raw'
     env = script_env(MNIST_MIRROR=mirror.url, **{**OFFLINE, 'no_proxy': '127.0.0.1'})
@@ -201,12 +202,12 @@ def test_a_stop_during_the_first_download_leaves_nothing_behind(mnist_big_dir, t
     while not list(raw.glob('.download-*/*')) and time.monotonic() < deadline:  # a file half downloaded
         time.sleep(0.05)
     assert list(raw.glob('.download-*/*')), reader.drain()
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(signum)  # SIGHUP: its terminal closed (an SSH session dropped)
     output = reader.rest(timeout=60)
     mirror.close()
-    assert proc.returncode == 143 and 'Traceback' not in output, output
-    assert output.rstrip().endswith('Stopped by SIGTERM, after 0 finished epochs: the same command resumes from '
-                                    'epoch 0.'), output
+    assert proc.returncode == code and 'Traceback' not in output, output
+    assert output.rstrip().endswith(f'Stopped by {name}, after 0 finished epochs: the same command resumes from '
+                                    f'epoch 0.'), output
     assert [p.name for p in raw.iterdir() if p.name.startswith('.') or p.suffix in ('.gz', '.tmp')] == [], \
         'no staging folder, no partial file'
     for path in raw.iterdir():  # what finished downloading is whole

@@ -168,3 +168,5 @@ if __name__ == '__main__':
         if args.debug:
             raise
         sys.exit(f'error: {e}')
+    except BrokenPipeError:  # the reader of its output is gone (| head): end quietly, as Unix tools do
+        sys.exit(141)  # 128 + SIGPIPE, as the shell reports a tool ended by it

@@ -545,6 +545,8 @@ if __name__ == '__main__':
             signal.signal(signum, signal.SIG_DFL)
         report_failure(e)
         sys.exit(1)
+    except BrokenPipeError:  # the reader of its output is gone (| head): end quietly, as Unix tools do
+        sys.exit(141)  # 128 + SIGPIPE, as the shell reports a tool ended by it
     finally:
         if dist.is_initialized():
             # Before torch 2.8, Gloo's teardown holds the GIL while its threads may still need it to

@@ -383,10 +383,11 @@ def main(args):
         try:
             with open(path, 'rb') as f:
                 digits, probabilities = framing.predict(model, framing.mnist_tensor(framing.read_image(f.read())))
-            print(f'{path}: {digits[0]} ({max(probabilities[0]):.1%})')
         except (OSError, Refused) as e:
             print(f'{path}: error: {e}', file=sys.stderr)
             failed = True
+        else:  # not in the try: a closed output (| head) is no error of the image
+            print(f'{path}: {digits[0]} ({max(probabilities[0]):.1%})')
     return 1 if failed else 0
 
 
@@ -401,3 +402,5 @@ if __name__ == '__main__':
         sys.exit(f'error: {e}')
     except KeyboardInterrupt:
         sys.exit(130)
+    except BrokenPipeError:  # the reader of its output is gone (--predict ... | head): end quietly
+        sys.exit(141)

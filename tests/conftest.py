@@ -134,6 +134,19 @@ def run(args, env=None, timeout=180, check=True):
     return result.returncode, result.stdout, result.stderr
 
 
+def run_into_a_closed_pipe(args):
+    """Run a command whose output's reader is gone, as in `command | head` once head has ended; return
+    (returncode, stderr)."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # before the command starts: its first line meets a closed pipe
+    try:
+        result = subprocess.run([str(a) for a in args], cwd=ROOT, env=script_env(), stdout=write_end,
+                                stderr=subprocess.PIPE, text=True, timeout=180)
+    finally:
+        os.close(write_end)
+    return result.returncode, result.stderr
+
+
 def train_cmd(*args):
     return [sys.executable, ROOT / 'mnist_train.py', *args]
 

@@ -3,7 +3,7 @@ import sys
 
 import pytest
 
-from conftest import dist_cmd, make_mnist, run, script_env, train_cmd
+from conftest import dist_cmd, make_mnist, run, run_into_a_closed_pipe, script_env, train_cmd
 
 OFFLINE = dict(http_proxy='http://127.0.0.1:9', https_proxy='http://127.0.0.1:9', no_proxy='')
 
@@ -106,6 +106,12 @@ def test_half_set_distributed_environment(tmp_path):
     # torchrun's per-process variables without the address to meet at:
     fails(dist_cmd('--output-dir', tmp_path), 'MASTER_ADDR, MASTER_PORT missing', 'Start the script with torchrun',
           env=script_env(RANK='0', WORLD_SIZE='2', LOCAL_RANK='0'))
+
+
+@pytest.mark.parametrize('script', [train_cmd, dist_cmd])
+def test_output_into_a_closed_pipe_ends_quietly(script, mnist_dir, tmp_path):
+    # `python mnist_train.py | head` once head has ended: no traceback, no "Exception ignored" as Python exits
+    assert run_into_a_closed_pipe(script('--data-dir', mnist_dir, '--output-dir', tmp_path)) == (141, '')
 
 
 def test_debug_shows_the_traceback(tmp_path):

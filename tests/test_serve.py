@@ -19,7 +19,7 @@ from torchvision import datasets
 import common
 import framing
 import mnist_train  # its transform: what the model was trained on
-from conftest import ROOT, free_port, run, start
+from conftest import ROOT, free_port, run, run_into_a_closed_pipe, start
 
 SERVE = ROOT / 'serve.py'
 
@@ -166,6 +166,12 @@ def test_predict_files_without_a_server(model_file, mnist_dir, tmp_path):
     assert returncode == 1
     assert re.fullmatch(rf'{tmp_path}/digit.png: {expected} \(\d+\.\d%\)\n', stdout)
     assert f'{tmp_path}/notes.txt: error: the body is not an image Pillow can read' in stderr
+
+
+def test_predict_into_a_closed_pipe_ends_quietly(model_file):
+    # Before: each file not yet printed said "error: [Errno 32] Broken pipe", as if its image were bad.
+    assert run_into_a_closed_pipe([sys.executable, SERVE, '--model', model_file, '--predict',
+                                   *[ROOT / 'page' / 'seven.png'] * 3]) == (141, '')
 
 
 @pytest.mark.parametrize('content, message', [

@@ -5,6 +5,7 @@ import os
 import queue
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -18,6 +19,12 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+# SIGHUP (a closed terminal): none on Windows, and under nohup the suite's processes inherit it ignored, as the
+# programs then rightly keep it: the tests of what it does skip there.
+SIGHUP = getattr(signal, 'SIGHUP', None)
+skip_without_sighup = pytest.mark.skipif(SIGHUP is None or signal.getsignal(SIGHUP) == signal.SIG_IGN,
+                                         reason='no SIGHUP to send: Windows, or the suite runs under nohup')
 
 FILES = ('train-images-idx3-ubyte', 'train-labels-idx1-ubyte',
          't10k-images-idx3-ubyte', 't10k-labels-idx1-ubyte')

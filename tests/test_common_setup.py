@@ -17,7 +17,7 @@ from torchvision import datasets
 from torchvision.datasets import utils as download_utils
 
 import common
-from conftest import FILES, Mirror, gz_files, make_mnist
+from conftest import FILES, SIGHUP, Mirror, gz_files, make_mnist
 
 
 def args_for(folder, no_resume=False, lr=0.01, batch_size=64, seed=0):
@@ -576,13 +576,13 @@ def test_save_checkpoint_flushes_the_logs_then_writes_everything_to_resume(tmp_p
 
 # --- stopping ------------------------------------------------------------------------------------
 
-HANGUP = [signal.SIGHUP] if hasattr(signal, 'SIGHUP') else []  # not on Windows
+NO_SIGHUP = pytest.mark.skipif(SIGHUP is None, reason='no SIGHUP on Windows')
 
 
 @pytest.fixture
 def stop(monkeypatch, capsys):
     """stop(args, signum, main_process) installs stop_on_signals, signals, and returns (exit code, stderr)."""
-    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, *HANGUP)}
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, SIGHUP) if s}
 
     class Exit(Exception):
         pass
@@ -590,6 +590,8 @@ def stop(monkeypatch, capsys):
     monkeypatch.setattr(common, '_epochs_saved', None)  # no run set up yet in this process
 
     def run(args, signum, main_process=True):
+        if SIGHUP:
+            signal.signal(SIGHUP, signal.SIG_DFL)  # as in a terminal, even where the suite runs under nohup
         common.stop_on_signals(args, *([] if main_process is None else [main_process]))  # None: its default
         assert signal.getsignal(signal.SIGINT) is signal.getsignal(signal.SIGTERM)
         with pytest.raises(Exit) as code:
@@ -601,21 +603,21 @@ def stop(monkeypatch, capsys):
 
 
 @pytest.mark.parametrize('signum, code, name', [(signal.SIGTERM, 143, 'SIGTERM'), (signal.SIGINT, 130, 'Ctrl-C'),
-                                               *[(signum, 129, 'SIGHUP') for signum in HANGUP]])
+                                               pytest.param(SIGHUP, 129, 'SIGHUP', marks=NO_SIGHUP)])
 def test_a_stop_says_where_to_resume_and_exits_128_plus_the_signal(tmp_path, stop, signum, code, name):
     torch.save(checkpoint_of(epochs_done=3), tmp_path / 'checkpoint.pth')
     assert stop(args_for(tmp_path), signum) == (
         code, f'Stopped by {name}, after 3 finished epochs: the same command resumes from epoch 3.\n')
 
 
-@pytest.mark.skipif(not HANGUP, reason='no SIGHUP on Windows')
+@NO_SIGHUP
 def test_under_nohup_a_hangup_changes_nothing(tmp_path, stop):
     signal.signal(signal.SIGHUP, signal.SIG_IGN)  # as nohup starts the script; the fixture restores it after
     common.stop_on_signals(args_for(tmp_path))
     assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
 
 
-@pytest.mark.skipif(not HANGUP, reason='no SIGHUP on Windows')
+@NO_SIGHUP
 def test_a_stop_with_its_terminal_gone_still_exits_with_its_code(tmp_path, stop, monkeypatch):
     class Gone(io.StringIO):  # a hung-up terminal: every write and flush fails with EIO
         def write(self, text=None):

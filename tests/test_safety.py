@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import common
-from conftest import (ROOT, Mirror, dist_cmd, free_port, gz_files, make_mnist, run, script_env, start, torchrun,
-                      torchrun_report, train_cmd)
+from conftest import (ROOT, SIGHUP, Mirror, dist_cmd, free_port, gz_files, make_mnist, run, script_env,
+                      skip_without_sighup, start, torchrun, torchrun_report, train_cmd)
 
 FAST = ('--lr', '0.1', '--batch-size', '16', '--log-interval', '10')
 OFFLINE = dict(http_proxy='http://127.0.0.1:9', https_proxy='http://127.0.0.1:9', no_proxy='')
@@ -192,7 +192,8 @@ def test_sigterm_to_every_rank_exits_143(mnist_big_dir, tmp_path):
     assert sorted(p.name for p in out.iterdir()) == ['best_model.pth', 'checkpoint.pth', 'runs']
 
 
-@pytest.mark.parametrize('signum, code, name', [(signal.SIGTERM, 143, 'SIGTERM'), (signal.SIGHUP, 129, 'SIGHUP')])
+@pytest.mark.parametrize('signum, code, name', [(signal.SIGTERM, 143, 'SIGTERM'),
+                                               pytest.param(SIGHUP, 129, 'SIGHUP', marks=skip_without_sighup)])
 def test_a_stop_during_the_first_download_leaves_nothing_behind(signum, code, name, mnist_big_dir, tmp_path):
     mirror = Mirror(gz_files(mnist_big_dir), delay=0.05)  # slow: a download to stop in the middle of
     data, raw = tmp_path / 'data', tmp_path / 'data' / 'MNIST' / 'raw'

@@ -22,7 +22,7 @@ import torch
 from PIL import Image, ImageDraw
 
 import framing
-from conftest import ROOT, free_port, run, script_env, start
+from conftest import ROOT, SIGHUP, free_port, run, script_env, skip_without_sighup, start
 
 SERVE = ROOT / 'serve.py'
 
@@ -470,7 +470,7 @@ def wait_until_refused(port):
 
 @pytest.mark.skipif(sys.platform == 'win32', reason="Gunicorn's stop: Windows' one process prints no Stopping line")
 @pytest.mark.parametrize('sig, name', [(signal.SIGTERM, 'SIGTERM'), (signal.SIGINT, 'SIGINT'),
-                                       (getattr(signal, 'SIGHUP', None), 'SIGHUP')])  # SIGHUP: a closed terminal
+                                       pytest.param(SIGHUP, 'SIGHUP', marks=skip_without_sighup)])  # a closed terminal
 def test_a_stop_answers_the_requests_in_progress_then_exits_0(model_file, sig, name):
     proc, reader, port = serve(model_file, '--workers', '2')
     image = png(3)
@@ -514,7 +514,7 @@ def test_a_second_ctrl_c_stops_at_once(model_file):
     assert not re.search(r'Traceback|\[ERROR\]|\[WARNING\]', rest), rest
 
 
-@pytest.mark.skipif(sys.platform == 'win32', reason='no terminals to close, no SIGHUP on Windows')
+@skip_without_sighup
 def test_closing_its_terminal_stops_it_as_gracefully_as_sigterm(model_file):
     """The terminal it runs in closes: its output has nowhere to go, and SIGHUP reaches each of its processes (the
     shell's hang-up of its jobs). Left to Gunicorn, the workers died of it, dropping the request in progress, and

@@ -3,7 +3,8 @@ import sys
 
 import pytest
 
-from conftest import dist_cmd, make_mnist, run, run_into_a_closed_pipe, script_env, train_cmd
+from conftest import (dist_cmd, make_mnist, run, run_into_a_closed_pipe, script_env, skip_on_windows_pipes,
+                      train_cmd)
 
 OFFLINE = dict(http_proxy='http://127.0.0.1:9', https_proxy='http://127.0.0.1:9', no_proxy='')
 
@@ -108,6 +109,7 @@ def test_half_set_distributed_environment(tmp_path):
           env=script_env(RANK='0', WORLD_SIZE='2', LOCAL_RANK='0'))
 
 
+@skip_on_windows_pipes
 @pytest.mark.parametrize('script', [train_cmd, dist_cmd])
 def test_output_into_a_closed_pipe_ends_quietly(script, mnist_dir, tmp_path):
     # `python mnist_train.py | head` once head has ended: no traceback, no "Exception ignored" as Python exits

@@ -19,7 +19,7 @@ from torchvision import datasets
 import common
 import framing
 import mnist_train  # its transform: what the model was trained on
-from conftest import ROOT, free_port, run, run_into_a_closed_pipe, start
+from conftest import ROOT, free_port, run, run_into_a_closed_pipe, skip_on_windows_pipes, start
 
 SERVE = ROOT / 'serve.py'
 
@@ -168,6 +168,7 @@ def test_predict_files_without_a_server(model_file, mnist_dir, tmp_path):
     assert f'{tmp_path}/notes.txt: error: the body is not an image Pillow can read' in stderr
 
 
+@skip_on_windows_pipes
 def test_predict_into_a_closed_pipe_ends_quietly(model_file):
     # Before: each file not yet printed said "error: [Errno 32] Broken pipe", as if its image were bad.
     assert run_into_a_closed_pipe([sys.executable, SERVE, '--model', model_file, '--predict',

@@ -274,6 +274,15 @@ def event_writers(log_dir):
     return {'.'.join(path.name.split('.')[4:-1]) for path in Path(log_dir).glob('events.out.tfevents.*')}
 
 
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: the workers of -n auto
+def pytest_xdist_auto_num_workers(config):
+    """One worker more than the CPUs this process may use: much of the suite's time is processes waiting (on a
+    timeout, a peer, a server), which the extra worker fills (2 CPUs: the newest-torch leg in 385 s against 440
+    with 2 workers; docs/benchmarks.md#test-suite)."""
+    import common
+    return common.usable_cpus() + 1
+
+
 def pytest_configure(config):
     config.addinivalue_line('markers', 'one_leg: a slow test whose code does not depend on the torch version: run '
                                        'on the PAI image\'s torch 2.3 leg only, so each leg stays within minutes')

@@ -162,6 +162,15 @@ def test_ci_runs_the_readmes_test_commands_with_room_for_one_environment():
         assert lines[lines.index(leg) + 1] == 'tree_is_clean', leg
 
 
+def test_the_suite_runs_one_worker_more_than_the_cpus():
+    import common
+    import conftest
+    assert conftest.pytest_xdist_auto_num_workers(None) == common.usable_cpus() + 1
+    assert (ROOT / 'run_local.sh').read_text().count('-m pytest -q -n auto --dist worksteal tests "$@"') == 2
+    assert "pytest-xdist's `-n auto` made one worker more than the CPUs" in ' '.join(
+        (ROOT / 'README.md').read_text().split())
+
+
 def refusals():
     """(status, closes the connection) of every Refused(...) serve.py and framing.py raise."""
     found = set()

@@ -277,8 +277,8 @@ def event_writers(log_dir):
 @pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: the workers of -n auto
 def pytest_xdist_auto_num_workers(config):
     """One worker more than the CPUs this process may use: much of the suite's time is processes waiting (on a
-    timeout, a peer, a server), which the extra worker fills (2 CPUs: the newest-torch leg in 385 s against 440
-    with 2 workers; docs/benchmarks.md#test-suite)."""
+    timeout, a peer, a server), which the extra worker fills (2 CPUs: the newest-torch leg in 0.89-0.97 of the
+    time with 2 workers, docs/benchmarks.md#test-suite)."""
     import common
     return common.usable_cpus() + 1
 

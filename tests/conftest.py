@@ -284,8 +284,9 @@ def pytest_xdist_auto_num_workers(config):
 
 
 def pytest_configure(config):
-    config.addinivalue_line('markers', 'one_leg: a slow test whose code does not depend on the torch version: run '
-                                       'on the PAI image\'s torch 2.3 leg only, so each leg stays within minutes')
+    config.addinivalue_line('markers', 'one_leg: a test whose code does not depend on the torch version (a slow one, '
+                                       'or one that starts a script only to see it stop): run on the PAI image\'s '
+                                       'torch 2.3 leg only, so each leg stays within minutes')
     # The programs the tests start write their temporary files in a folder of the session's, removed at its end:
     # torchrun leaves a torchelastic_* folder each run, and a stopped Chromium its profile's. pytest's tmp_path
     # stays where it was, in the folder pytest keeps for its last 3 runs.

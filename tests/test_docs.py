@@ -136,6 +136,7 @@ def test_run_local_help_prints_its_own_usage():
         assert './run_local.sh test' in stdout and '../shared' not in stdout
 
 
+@pytest.mark.one_leg  # torch-independent: argparse's text
 def test_the_scripts_help_examples_write_to_different_folders():
     outputs = []
     for script in ('mnist_train.py', 'mnist_train_distributed.py'):

@@ -23,6 +23,8 @@ import framing
 from conftest import ROOT, LineReader, free_port, script_env, start
 from test_serve import SERVE, encode, forward
 
+pytestmark = pytest.mark.one_leg  # HTTP between EAS's SDK, its gateway and serve.py: the same on either torch
+
 TOKEN = 'test-token'
 RUN_COMMAND = re.compile(r'`(pip install -r /mnt/data/requirements-serve\.txt && [^`]*)`')  # the docs' EAS command
 GATEWAY_MAX_BODY = 1024 * 1024  # EAS's gateway takes request bodies of at most 1 MB

@@ -30,6 +30,7 @@ def test_missing_data_offline_says_which_files_go_where(script, tmp_path):
     assert not list((tmp_path / 'data' / 'MNIST' / 'raw').iterdir()), 'no partial download left'
 
 
+@pytest.mark.one_leg  # torch-independent: a start-up error of our own
 def test_truncated_mnist_file_is_named(tmp_path):
     root = make_mnist(tmp_path / 'data', 64, 32)
     labels = root / 'MNIST' / 'raw' / 't10k-labels-idx1-ubyte'
@@ -38,6 +39,7 @@ def test_truncated_mnist_file_is_named(tmp_path):
           f'error: {labels} is not a complete MNIST file', 'truncated or corrupt')
 
 
+@pytest.mark.one_leg  # torch-independent: a start-up error of our own
 @pytest.mark.parametrize('script', [train_cmd, dist_cmd])
 def test_unwritable_output_folder_is_found_before_reading_data(script, tmp_path):
     (tmp_path / 'a_file').write_text('')
@@ -46,6 +48,7 @@ def test_unwritable_output_folder_is_found_before_reading_data(script, tmp_path)
           f'cannot write to the output folder {tmp_path}/a_file/out', '--output-dir')
 
 
+@pytest.mark.one_leg  # torch-independent: a start-up error of our own
 def test_default_dlc_paths_on_a_laptop_name_the_flags():
     # A laptop user without root: creating /mnt/data fails. Simulated, so /mnt/data is never made.
     laptop = ("import errno, os, runpy, sys\n"
@@ -82,6 +85,7 @@ def test_checkpoint_of_another_model_is_refused_in_the_distributed_script(mnist_
           'is not a readable checkpoint of this model', '--no-resume')
 
 
+@pytest.mark.one_leg  # torch-independent: argparse
 @pytest.mark.parametrize('script, flag, value, message', [
     (train_cmd, '--epochs', '0', "argument --epochs: must be a positive int, got '0'"),
     (dist_cmd, '--batch-size', '-64', "argument --batch-size: must be a positive int, got '-64'"),
@@ -91,6 +95,7 @@ def test_invalid_numbers(script, flag, value, message, tmp_path):
     fails(script(flag, value, '--output-dir', tmp_path), message, code=2)
 
 
+@pytest.mark.one_leg  # torch-independent: argparse
 def test_unknown_backend(tmp_path):
     fails(dist_cmd('--backend', 'mpi'), "argument --backend: invalid choice: 'mpi'", code=2)
 
@@ -101,6 +106,7 @@ def test_cuda_asked_for_without_cuda(tmp_path):
     fails(dist_cmd('--backend', 'nccl', '--output-dir', tmp_path), 'needs CUDA, which is not available')
 
 
+@pytest.mark.one_leg  # torch-independent: a start-up error of our own
 def test_half_set_distributed_environment(tmp_path):
     fails(dist_cmd('--output-dir', tmp_path), 'WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT missing',
           env=script_env(RANK='0'))
@@ -116,6 +122,7 @@ def test_output_into_a_closed_pipe_ends_quietly(script, mnist_dir, tmp_path):
     assert run_into_a_closed_pipe(script('--data-dir', mnist_dir, '--output-dir', tmp_path)) == (141, '')
 
 
+@pytest.mark.one_leg  # torch-independent: a start-up error of our own
 def test_debug_shows_the_traceback(tmp_path):
     returncode, _, stderr = run(train_cmd('--data-dir', tmp_path / 'none', '--output-dir', tmp_path / 'out',
                                           '--debug'), env=script_env(**OFFLINE), check=False)

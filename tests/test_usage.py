@@ -10,6 +10,7 @@ import pytest
 from conftest import ROOT, run, script_env
 
 
+@pytest.mark.one_leg  # torch-independent: argparse's text
 @pytest.mark.parametrize('script, start_command', [
     ('mnist_train.py', 'python /mnt/data/mnist_train.py'),
     ('mnist_train_distributed.py', 'torchrun --nproc_per_node=1 --nnodes=${WORLD_SIZE} --node_rank=${RANK}'),
@@ -22,6 +23,7 @@ def test_help_shows_the_dlc_start_command_and_the_output(script, start_command):
     assert 'counting those done before a restart' in stdout  # --epochs is a total
 
 
+@pytest.mark.one_leg  # torch-independent: the import's error
 @pytest.mark.parametrize('script', ['mnist_train.py', 'mnist_train_distributed.py'])
 def test_a_script_uploaded_without_common_py_says_so_in_one_line(script, tmp_path):
     shutil.copy(ROOT / script, tmp_path / script)

@@ -303,7 +303,7 @@ def pytest_collection_modifyitems(config, items):
     import torch
     if torch.__version__ < '2.4' or os.environ.get('ALL_TESTS'):
         return
-    skip = pytest.mark.skip(reason='slow and torch-independent: run by ./run_local.sh test-pai (or ALL_TESTS=1)')
+    skip = pytest.mark.skip(reason='torch-independent: run by ./run_local.sh test-pai (or ALL_TESTS=1)')
     for item in items:
         if 'one_leg' in item.keywords:
             item.add_marker(skip)

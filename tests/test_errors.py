@@ -122,7 +122,6 @@ def test_output_into_a_closed_pipe_ends_quietly(script, mnist_dir, tmp_path):
     assert run_into_a_closed_pipe(script('--data-dir', mnist_dir, '--output-dir', tmp_path)) == (141, '')
 
 
-@pytest.mark.one_leg  # torch-independent: a start-up error of our own
 def test_debug_shows_the_traceback(tmp_path):
     returncode, _, stderr = run(train_cmd('--data-dir', tmp_path / 'none', '--output-dir', tmp_path / 'out',
                                           '--debug'), env=script_env(**OFFLINE), check=False)

@@ -144,7 +144,8 @@ run | -*)
     echo "TensorBoard: $(dirname "$PY")/tensorboard --logdir $out   (then open http://localhost:6006)"
     ;;
 *)
-    usage >&2
+    echo "run_local.sh: no command '$1': test, test-pai, bench, gpu-check, serve, bench-serve, bench-digits," \
+        "mutants, or none (train) with the scripts' flags; ./run_local.sh --help says more." >&2
     exit 2
     ;;
 esac

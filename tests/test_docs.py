@@ -136,6 +136,17 @@ def test_run_local_help_prints_its_own_usage():
         assert './run_local.sh test' in stdout and '../shared' not in stdout
 
 
+def test_run_local_names_an_unknown_command_and_the_ones_it_has():
+    returncode, stdout, stderr = run(['bash', ROOT / 'run_local.sh', 'tests'], check=False, timeout=30)
+    assert returncode == 2 and stdout == '' and stderr.startswith("run_local.sh: no command 'tests': test, ")
+    assert len(stderr.splitlines()) == 1, stderr
+    script = (ROOT / 'run_local.sh').read_text()
+    usage = script.split('\nset -euo')[0]
+    named = re.findall(r'[\w-]+', stderr.split(':')[2].split(', or none')[0])
+    cases = re.findall(r'^([\w-]+)\)$', script, re.M)
+    assert sorted(named) == sorted(cases) and all(f'./run_local.sh {name} ' in usage for name in named), named
+
+
 @pytest.mark.one_leg  # torch-independent: argparse's text
 def test_the_scripts_help_examples_write_to_different_folders():
     outputs = []

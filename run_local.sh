@@ -33,9 +33,22 @@ cd "$(dirname "$0")"
 # there (serve after a first training run, say) installs it, whatever ran before.
 venv() {
     local folder=$1; shift
-    local stamp="$folder/.installed-$({ echo "$*"; cat requirements*.txt constraints-pai.txt; } | cksum | cut -d' ' -f1)"
+    local stamp
+    stamp="$folder/.installed-$({ echo "$*"; cat requirements*.txt constraints-pai.txt; } | cksum | cut -d' ' -f1)"
     if [ ! -f "$stamp" ]; then
-        [ -x "$folder/bin/python" ] || "${PYTHON:-python3}" -m venv "$folder"
+        local python=${PYTHON:-python3}
+        [ -x "$folder/bin/python" ] && python=$folder/bin/python
+        # PAI's torch 2.3.1 has wheels up to Python 3.12: a newer one gets this line, not pip's ResolutionImpossible
+        local too_new
+        too_new=$("$python" -c 'import sys; v = sys.version_info; print("%d.%d" % v[:2] if v >= (3, 13) else "")')
+        if [[ " $* " == *" constraints-pai.txt "* && -n $too_new ]]; then
+            local remove=''
+            [ -e "$folder" ] && remove="rm -rf $folder, then "
+            echo "run_local.sh: PAI's torch 2.3.1 has no wheels for Python $too_new ($python): ${remove}run again" \
+                "with PYTHON naming a Python 3.10, 3.11 or 3.12 (PYTHON=python3.12 ./run_local.sh ...)." >&2
+            exit 2
+        fi
+        [ -x "$folder/bin/python" ] || "$python" -m venv "$folder"
         "$folder/bin/python" -m pip install --quiet --disable-pip-version-check "$@"
         touch "$stamp"
     fi

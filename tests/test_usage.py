@@ -107,6 +107,27 @@ def test_each_run_local_command_installs_what_it_needs_whatever_ran_before(order
                    for line in calls.read_text().splitlines()), f'{command} ran nothing'
 
 
+@pytest.mark.parametrize('command', [['test-pai'], ['gpu-check', '--pai']])
+def test_run_local_says_which_pythons_pais_torch_takes_before_installing_it(command, tmp_path):
+    fake = tmp_path / 'python3'  # a Python 3.13, which torch 2.3.1 has no wheels for
+    fake.write_text(FAKE_PYTHON.replace('echo 0', 'case "$2" in *version_info*) echo 3.13;; *) echo 0;; esac'))
+    fake.chmod(0o755)
+    calls, folder = tmp_path / 'calls', tmp_path / 'venv-pai'
+    env = script_env(PYTHON=str(fake), VENV=str(tmp_path / 'venv'), VENV_PAI=str(folder), CALLS=str(calls))
+    returncode, stdout, stderr = run(['bash', ROOT / 'run_local.sh', *command], env=env, check=False, timeout=60)
+    assert returncode == 2 and stdout == '' and stderr == (
+        f"run_local.sh: PAI's torch 2.3.1 has no wheels for Python 3.13 ({fake}): run again with PYTHON naming a "
+        f"Python 3.10, 3.11 or 3.12 (PYTHON=python3.12 ./run_local.sh ...).\n")
+    assert not folder.exists() and 'pip' not in calls.read_text()
+    (folder / 'bin').mkdir(parents=True)  # an environment made with it before: to be removed first
+    shutil.copy(fake, folder / 'bin' / 'python')
+    stderr = run(['bash', ROOT / 'run_local.sh', *command], env=env, check=False, timeout=60)[2]
+    assert stderr.startswith(f"run_local.sh: PAI's torch 2.3.1 has no wheels for Python 3.13 ({folder}/bin/python): "
+                             f"rm -rf {folder}, then run again with PYTHON naming"), stderr
+    run(['bash', ROOT / 'run_local.sh', 'test'], env=env, timeout=60)  # the newest torch's leg takes it
+    assert '-m pip install' in calls.read_text() and '-m pytest' in calls.read_text()
+
+
 @pytest.mark.parametrize('system, check', [('Darwin', 'YES'), ('Linux', '')])
 def test_run_local_serve_turns_objective_c_fork_check_off_on_macos_only(system, check, tmp_path):
     bin_dir = tmp_path / 'bin'

@@ -73,10 +73,15 @@ def test_the_benchmarks_run_print_their_figures_and_leave_no_temporary_files(mni
 
 
 # A stand-in for python3 and for the environment's python: it writes each command line it is given to $CALLS,
-# makes an environment as `-m venv FOLDER` (a copy of itself), and says "no GPU" to run_local.sh's torch question.
+# makes an environment as `-m venv [--clear] FOLDER` (a copy of itself), and says "no GPU" to run_local.sh's torch
+# question.
 FAKE_PYTHON = '''#!/usr/bin/env bash
 echo "$*" >> "$CALLS"
-if [ "$1 $2" = "-m venv" ]; then mkdir -p "$3/bin" && cp "$0" "$3/bin/python"; fi
+if [ "$1 $2" = "-m venv" ]; then
+    folder=${!#}
+    if [ "$3" = --clear ]; then rm -rf "$folder"; fi
+    mkdir -p "$folder/bin" && cp "$0" "$folder/bin/python"
+fi
 if [ "$1" = -c ]; then echo 0; fi
 '''
 NEEDS = {  # what each command must find installed in its environment, whatever ran before it
@@ -105,6 +110,24 @@ def test_each_run_local_command_installs_what_it_needs_whatever_ran_before(order
         installed += installs
         assert any(line.startswith(('mnist_train', 'serve.py', '-m pytest', 'tests/benchmark.py'))
                    for line in calls.read_text().splitlines()), f'{command} ran nothing'
+
+
+def test_run_local_makes_an_environment_whose_python_is_gone_anew(tmp_path):
+    fake, calls, folder = tmp_path / 'python3', tmp_path / 'calls', tmp_path / 'venv'
+    fake.write_text(FAKE_PYTHON)
+    fake.chmod(0o755)
+    env = script_env(PYTHON=str(fake), VENV=str(folder), CALLS=str(calls))
+    run(['bash', ROOT / 'run_local.sh', 'test'], env=env, timeout=60)
+    (folder / 'bin' / 'python').unlink()  # the Python it was made with, upgraded away
+    (folder / 'bin' / 'python').symlink_to(tmp_path / 'python3.12')
+    (folder / 'pyvenv.cfg').write_text('home = /opt/homebrew/opt/python@3.12/bin\n')
+    calls.write_text('')
+    returncode, _, stderr = run(['bash', ROOT / 'run_local.sh', 'test'], env=env, check=False, timeout=60)
+    assert returncode == 0 and stderr == (f'run_local.sh: {folder} cannot run: its Python (from /opt/homebrew/opt/'
+                                          f'python@3.12/bin) is gone (upgraded or removed?); making {folder} anew\n')
+    lines = calls.read_text().splitlines()
+    assert lines[0] == f'-m venv --clear {folder}' and lines[-1].startswith('-m pytest'), lines
+    assert any(line.startswith('-m pip install') for line in lines), lines
 
 
 @pytest.mark.parametrize('command', [['test-pai'], ['gpu-check', '--pai']])

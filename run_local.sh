@@ -33,10 +33,12 @@ cd "$(dirname "$0")"
 # there (serve after a first training run, say) installs it, whatever ran before.
 venv() {
     local folder=$1; shift
-    if [ -e "$folder" ] && [ ! -x "$folder/bin/python" ]; then
-        # Its Python is gone (upgraded or removed: Homebrew, pyenv), and with it everything installed for it
+    if [ ! -x "$folder/bin/python" ] && [ -f "$folder/pyvenv.cfg" ] &&
+        compgen -G "$folder/.installed-*" > /dev/null; then
+        # An environment this script installed into whose Python is gone (upgraded or removed: Homebrew, pyenv),
+        # and with it everything installed for it. Any other folder is left as it is.
         local gone
-        gone=$(sed -n 's/^home = //p' "$folder/pyvenv.cfg" 2> /dev/null || true)  # the folder it ran from
+        gone=$(sed -n 's/^home = //p' "$folder/pyvenv.cfg")  # the folder it ran from
         echo "run_local.sh: $folder cannot run: its Python${gone:+ (from $gone)} is gone (upgraded or removed?);" \
             "making $folder anew" >&2
         "${PYTHON:-python3}" -m venv --clear "$folder"

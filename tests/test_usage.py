@@ -128,6 +128,11 @@ def test_run_local_makes_an_environment_whose_python_is_gone_anew(tmp_path):
     lines = calls.read_text().splitlines()
     assert lines[0] == f'-m venv --clear {folder}' and lines[-1].startswith('-m pytest'), lines
     assert any(line.startswith('-m pip install') for line in lines), lines
+    other = tmp_path / 'other'  # a folder that is no environment of run_local.sh's, named by mistake: kept
+    (other / 'bin').mkdir(parents=True)
+    (other / 'pyvenv.cfg').write_text('home = /gone/bin\n')
+    run(['bash', ROOT / 'run_local.sh', 'test'], env={**env, 'VENV': str(other)}, check=False, timeout=60)
+    assert (other / 'pyvenv.cfg').read_text() == 'home = /gone/bin\n'
 
 
 @pytest.mark.parametrize('command', [['test-pai'], ['gpu-check', '--pai']])

@@ -49,9 +49,11 @@ venv() {
         local python=${PYTHON:-python3}
         [ -x "$folder/bin/python" ] && python=$folder/bin/python
         # PAI's torch 2.3.1 has wheels up to Python 3.12: a newer one gets this line, not pip's ResolutionImpossible
-        local too_new
-        too_new=$("$python" -c 'import sys; v = sys.version_info; print("%d.%d" % v[:2] if v >= (3, 13) else "")')
-        if [[ " $* " == *" constraints-pai.txt "* && -n $too_new ]]; then
+        local too_new=''
+        if [[ " $* " == *" constraints-pai.txt "* ]]; then
+            too_new=$("$python" -c 'import sys; v = sys.version_info; print("%d.%d" % v[:2] if v >= (3, 13) else "")')
+        fi
+        if [ -n "$too_new" ]; then
             local remove=''
             [ -e "$folder" ] && remove="rm -rf $folder, then "
             echo "run_local.sh: PAI's torch 2.3.1 has no wheels for Python $too_new ($python): ${remove}run again" \

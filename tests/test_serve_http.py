@@ -123,8 +123,8 @@ def read_replies(s, count=None):
         buffer += data
 
 
-def post(port, body, headers=None):
-    connection = http.client.HTTPConnection('127.0.0.1', port, timeout=30)
+def post(port, body, headers=None, timeout=30):
+    connection = http.client.HTTPConnection('127.0.0.1', port, timeout=timeout)
     connection.request('POST', '/predict', body=body, headers=headers or {})
     response = connection.getresponse()
     return response.status, json.loads(response.read())
@@ -371,10 +371,11 @@ class Peak:
 
 @pytest.mark.one_leg
 def test_eight_largest_images_at_once_stay_under_the_memory_bound(model_file):
-    proc, reader, port = serve(model_file)
+    # A few seconds on an idle 2-core machine; --deadline 120, so that a loaded one gets no 503 for its slowness
+    proc, reader, port = serve(model_file, '--deadline', '120')
     big, results = largest_png(), []
     with Peak(proc.pid) as memory:
-        at_once(8, lambda: results.append(post(port, big)[0]))
+        at_once(8, lambda: results.append(post(port, big, timeout=150)[0]))
     proc.terminate()
     proc.wait(timeout=30)
     assert results == [200] * 8

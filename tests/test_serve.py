@@ -2,6 +2,7 @@
 import argparse
 import io
 import json
+import os
 import re
 import socket
 import sys
@@ -191,6 +192,25 @@ def test_a_missing_or_wrong_model_stops_at_start_up(content, message, tmp_path):
     assert returncode == 1 and 'Traceback' not in stderr and 'Serving' not in stdout
     assert stderr.startswith(f'error: cannot load {path}: {message}') or stderr.startswith(f'error: {message}')
     assert len(stderr.strip().splitlines()) == 1
+
+
+class MakesAFolder:
+    """Unpickled freely, it makes a folder: a model file that runs code as torch.load reads it."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return os.mkdir, (self.path,)
+
+
+def test_a_model_file_that_would_run_code_is_refused_and_runs_none(tmp_path):
+    # torch 2.3 (PAI's) unpickles anything unless told weights_only; a model may come from anywhere (EAS: OSS)
+    ran = tmp_path / 'ran'
+    torch.save({**common.SimpleCNN().state_dict(), 'conv1.weight': MakesAFolder(ran)}, tmp_path / 'best_model.pth')
+    with pytest.raises(common.SetupError, match=r'it is not a file of model weights \(UnpicklingError\)'):
+        framing.load_model(tmp_path / 'best_model.pth')
+    assert not ran.exists()
 
 
 def test_the_distributed_scripts_model_and_a_checkpoint_load_too(tmp_path):

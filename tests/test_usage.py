@@ -135,11 +135,18 @@ def test_run_local_makes_an_environment_whose_python_is_gone_anew(tmp_path):
     assert (other / 'pyvenv.cfg').read_text() == 'home = /gone/bin\n'
 
 
+def fake_python_of_version(path, version):
+    """FAKE_PYTHON at path, answering run_local.sh's question of its version by running its code as that version."""
+    ask = (f'case "$2" in *version_info*) "{sys.executable}" -c "import sys; sys.version_info = {version!r}; '
+           f'exec(sys.argv[1])" "$2";; *) echo 0;; esac')
+    path.write_text(FAKE_PYTHON.replace('echo 0', ask))
+    path.chmod(0o755)
+
+
 @pytest.mark.parametrize('command', [['test-pai'], ['gpu-check', '--pai']])
 def test_run_local_says_which_pythons_pais_torch_takes_before_installing_it(command, tmp_path):
-    fake = tmp_path / 'python3'  # a Python 3.13, which torch 2.3.1 has no wheels for
-    fake.write_text(FAKE_PYTHON.replace('echo 0', 'case "$2" in *version_info*) echo 3.13;; *) echo 0;; esac'))
-    fake.chmod(0o755)
+    fake = tmp_path / 'python3'
+    fake_python_of_version(fake, (3, 13, 0))  # torch 2.3.1 has no wheels for it
     calls, folder = tmp_path / 'calls', tmp_path / 'venv-pai'
     env = script_env(PYTHON=str(fake), VENV=str(tmp_path / 'venv'), VENV_PAI=str(folder), CALLS=str(calls))
     returncode, stdout, stderr = run(['bash', ROOT / 'run_local.sh', *command], env=env, check=False, timeout=60)
@@ -154,6 +161,12 @@ def test_run_local_says_which_pythons_pais_torch_takes_before_installing_it(comm
                              f"rm -rf {folder}, then run again with PYTHON naming"), stderr
     run(['bash', ROOT / 'run_local.sh', 'test'], env=env, timeout=60)  # the newest torch's leg takes it
     assert '-m pip install' in calls.read_text() and '-m pytest' in calls.read_text()
+    fake_python_of_version(fake, (3, 12, 1))  # the newest Python torch 2.3.1 has wheels for
+    shutil.rmtree(folder)
+    calls.write_text('')
+    run(['bash', ROOT / 'run_local.sh', *command], env=env, timeout=60)
+    assert any(line.startswith('-m pip install') and 'constraints-pai.txt' in line
+               for line in calls.read_text().splitlines()), calls.read_text()
 
 
 @pytest.mark.parametrize('system, check', [('Darwin', 'YES'), ('Linux', '')])

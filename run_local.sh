@@ -48,16 +48,21 @@ venv() {
     if [ ! -f "$stamp" ]; then
         local python=${PYTHON:-python3}
         [ -x "$folder/bin/python" ] && python=$folder/bin/python
-        # PAI's torch 2.3.1 has wheels up to Python 3.12: a newer one gets this line, not pip's ResolutionImpossible
-        local too_new=''
-        if [[ " $* " == *" constraints-pai.txt "* ]]; then
-            too_new=$("$python" -c 'import sys; v = sys.version_info; print("%d.%d" % v[:2] if v >= (3, 13) else "")')
+        # Python 3.10 or newer (pip would give an older one an older torch, and serve.py's body budget needs 3.10);
+        # PAI's torch 2.3.1 has wheels up to Python 3.12. Said here, not by pip's ResolutionImpossible or later.
+        local number problem=''
+        number=$("$python" -c 'import sys; v = sys.version_info; print(v[0] * 100 + v[1])')
+        local version="$((number / 100)).$((number % 100))"
+        if ((number < 310)); then
+            problem="these scripts need Python 3.10 or newer, not $version ($python)"
+        elif ((number >= 313)) && [[ " $* " == *" constraints-pai.txt "* ]]; then
+            problem="PAI's torch 2.3.1 has no wheels for Python $version ($python)"
         fi
-        if [ -n "$too_new" ]; then
+        if [ -n "$problem" ]; then
             local remove=''
             [ -e "$folder" ] && remove="rm -rf $folder, then "
-            echo "run_local.sh: PAI's torch 2.3.1 has no wheels for Python $too_new ($python): ${remove}run again" \
-                "with PYTHON naming a Python 3.10, 3.11 or 3.12 (PYTHON=python3.12 ./run_local.sh ...)." >&2
+            echo "run_local.sh: $problem: ${remove}run again with PYTHON naming a Python 3.10, 3.11 or 3.12" \
+                "(PYTHON=python3.12 ./run_local.sh ...)." >&2
             exit 2
         fi
         [ -x "$folder/bin/python" ] || "$python" -m venv "$folder"

@@ -73,8 +73,8 @@ def test_the_benchmarks_run_print_their_figures_and_leave_no_temporary_files(mni
 
 
 # A stand-in for python3 and for the environment's python: it writes each command line it is given to $CALLS,
-# makes an environment as `-m venv [--clear] FOLDER` (a copy of itself), and says "no GPU" to run_local.sh's torch
-# question.
+# makes an environment as `-m venv [--clear] FOLDER` (a copy of itself), answers run_local.sh's question of its
+# version as Python 3.11.7 would, and says "no GPU" to its torch question.
 FAKE_PYTHON = '''#!/usr/bin/env bash
 echo "$*" >> "$CALLS"
 if [ "$1 $2" = "-m venv" ]; then
@@ -82,8 +82,11 @@ if [ "$1 $2" = "-m venv" ]; then
     if [ "$3" = --clear ]; then rm -rf "$folder"; fi
     mkdir -p "$folder/bin" && cp "$0" "$folder/bin/python"
 fi
-if [ "$1" = -c ]; then echo 0; fi
-'''
+if [ "$1" = -c ]; then
+    case "$2" in *version_info*) "%s" -c "import sys; sys.version_info = (3, 11, 7); exec(sys.argv[1])" "$2";;
+        *) echo 0;; esac
+fi
+''' % sys.executable
 NEEDS = {  # what each command must find installed in its environment, whatever ran before it
     'run': ['-r requirements.txt'],
     'serve': ['-r requirements.txt -r requirements-serve.txt'],
@@ -137,9 +140,7 @@ def test_run_local_makes_an_environment_whose_python_is_gone_anew(tmp_path):
 
 def fake_python_of_version(path, version):
     """FAKE_PYTHON at path, answering run_local.sh's question of its version by running its code as that version."""
-    ask = (f'case "$2" in *version_info*) "{sys.executable}" -c "import sys; sys.version_info = {version!r}; '
-           f'exec(sys.argv[1])" "$2";; *) echo 0;; esac')
-    path.write_text(FAKE_PYTHON.replace('echo 0', ask))
+    path.write_text(FAKE_PYTHON.replace('(3, 11, 7)', repr(version)))
     path.chmod(0o755)
 
 
@@ -167,6 +168,22 @@ def test_run_local_says_which_pythons_pais_torch_takes_before_installing_it(comm
     run(['bash', ROOT / 'run_local.sh', *command], env=env, timeout=60)
     assert any(line.startswith('-m pip install') and 'constraints-pai.txt' in line
                for line in calls.read_text().splitlines()), calls.read_text()
+
+
+@pytest.mark.parametrize('command', [[], ['serve'], ['test']])
+def test_run_local_refuses_a_python_older_than_3_10_before_installing(command, tmp_path):
+    fake = tmp_path / 'python3'
+    fake_python_of_version(fake, (3, 9, 6))  # pip would install torch 2.8 and a serve.py that fails under load
+    calls, folder = tmp_path / 'calls', tmp_path / 'venv'
+    env = script_env(PYTHON=str(fake), VENV=str(folder), CALLS=str(calls))
+    returncode, stdout, stderr = run(['bash', ROOT / 'run_local.sh', *command], env=env, check=False, timeout=60)
+    assert returncode == 2 and stdout == '' and stderr == (
+        f'run_local.sh: these scripts need Python 3.10 or newer, not 3.9 ({fake}): run again with PYTHON naming a '
+        f'Python 3.10, 3.11 or 3.12 (PYTHON=python3.12 ./run_local.sh ...).\n')
+    assert not folder.exists() and 'pip' not in calls.read_text()
+    fake_python_of_version(fake, (3, 10, 0))  # the oldest taken
+    run(['bash', ROOT / 'run_local.sh', *command], env=env, timeout=60)
+    assert '-m pip install' in calls.read_text()
 
 
 @pytest.mark.parametrize('system, check', [('Darwin', 'YES'), ('Linux', '')])

@@ -48,7 +48,7 @@ venv() {
     if [ ! -f "$stamp" ]; then
         local python=${PYTHON:-python3}
         [ -x "$folder/bin/python" ] && python=$folder/bin/python
-        # Python 3.10 or newer (pip would give an older one an older torch, and serve.py's body budget needs 3.10);
+        # Python 3.10 or newer (3.9, past its end of life, would get torch 2.8 from pip and is not tested here);
         # PAI's torch 2.3.1 has wheels up to Python 3.12. Said here, not by pip's ResolutionImpossible or later.
         local number problem=''
         number=$("$python" -c 'import sys; v = sys.version_info; print(v[0] * 100 + v[1])')

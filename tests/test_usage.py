@@ -173,7 +173,7 @@ def test_run_local_says_which_pythons_pais_torch_takes_before_installing_it(comm
 @pytest.mark.parametrize('command', [[], ['serve'], ['test']])
 def test_run_local_refuses_a_python_older_than_3_10_before_installing(command, tmp_path):
     fake = tmp_path / 'python3'
-    fake_python_of_version(fake, (3, 9, 6))  # pip would install torch 2.8 and a serve.py that fails under load
+    fake_python_of_version(fake, (3, 9, 6))  # past its end of life: pip would install torch 2.8, untested here
     calls, folder = tmp_path / 'calls', tmp_path / 'venv'
     env = script_env(PYTHON=str(fake), VENV=str(folder), CALLS=str(calls))
     returncode, stdout, stderr = run(['bash', ROOT / 'run_local.sh', *command], env=env, check=False, timeout=60)

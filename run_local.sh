@@ -49,20 +49,23 @@ venv() {
         local python=${PYTHON:-python3}
         [ -x "$folder/bin/python" ] && python=$folder/bin/python
         # Python 3.10 or newer (3.9, past its end of life, would get torch 2.8 from pip and is not tested here);
-        # PAI's torch 2.3.1 has wheels up to Python 3.12. Said here, not by pip's ResolutionImpossible or later.
-        local number problem=''
+        # PAI's torch 2.3.1: 3.10 or 3.11 (PAI's image has 3.11). Said here, not by pip's ResolutionImpossible or
+        # a crash later.
+        local number problem='' pai='' takes='3.10 to 3.13'
         number=$("$python" -c 'import sys; v = sys.version_info; print(v[0] * 100 + v[1])')
         local version="$((number / 100)).$((number % 100))"
+        [[ " $* " == *" constraints-pai.txt "* ]] && pai=1 takes='3.10 or 3.11'
         if ((number < 310)); then
             problem="these scripts need Python 3.10 or newer, not $version ($python)"
-        elif ((number >= 313)) && [[ " $* " == *" constraints-pai.txt "* ]]; then
-            problem="PAI's torch 2.3.1 has no wheels for Python $version ($python)"
+        elif ((number >= 312)) && [ -n "$pai" ]; then
+            problem="PAI's torch 2.3.1 needs Python 3.10 or 3.11, not $version ($python): it has no wheels for 3.13"
+            problem+=" or newer, and on 3.12 its torchrun crashes (exit -11, pytorch/pytorch#125990)"
         fi
         if [ -n "$problem" ]; then
             local remove=''
             [ -e "$folder" ] && remove="rm -rf $folder, then "
-            echo "run_local.sh: $problem: ${remove}run again with PYTHON naming a Python 3.10, 3.11 or 3.12" \
-                "(PYTHON=python3.12 ./run_local.sh ...)." >&2
+            echo "run_local.sh: $problem: ${remove}run again with PYTHON naming a Python $takes" \
+                "(PYTHON=python3.11 ./run_local.sh ...)." >&2
             exit 2
         fi
         [ -x "$folder/bin/python" ] || "$python" -m venv "$folder"

@@ -22,6 +22,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+try:
+    import fcntl  # the output folder's lock: not on Windows
+except ImportError:
+    fcntl = None
+
 
 class SetupError(Exception):
     """A problem the user can fix (flags, environment, data, output folder, checkpoint, full disk).
@@ -387,6 +392,7 @@ CHECKPOINT_KEYS = {'model', 'optimizer', 'epochs_done', 'best_val_accuracy', 'be
 TRAINING_FLAGS = {'lr': '--lr', 'batch_size': '--batch-size', 'seed': '--seed'}  # they change the result
 _writing = set()  # the temporary files and folders being written now (saves, downloads): a stop removes them
 _epochs_saved = None  # epochs in this run's checkpoint, once resume() has set the run up (a stop's line says it)
+_claimed = {}  # output folders this process holds locked, with their open descriptors (see claim)
 
 
 def save_atomic(obj, path):
@@ -417,8 +423,31 @@ def save_atomic(obj, path):
         _writing.discard(tmp_path)
 
 
+def claim(folder):
+    """Lock folder for as long as this process runs (the system drops the lock when it ends, however it ends), so
+    that a second run into the same folder at once stops at its start instead of writing over this one's files.
+    Unguarded where there are no such locks: on Windows, or a filesystem without them."""
+    key = os.path.realpath(folder)
+    if fcntl is None or key in _claimed:
+        return
+    try:
+        descriptor = os.open(key, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        os.close(descriptor)
+        if isinstance(e, BlockingIOError):
+            raise SetupError(f'another run is writing to {folder} now (the same command in another terminal, or '
+                             f'a job submitted twice): let it end, or stop it, before running again into this '
+                             f'folder; or pass another --output-dir.') from None
+        return  # no locks on this filesystem
+    _claimed[key] = descriptor  # kept open: the lock lasts as long as the process
+
+
 def load_checkpoint(args):
-    """Check that --output-dir can be written; return its checkpoint.pth to resume from, or None.
+    """Check that --output-dir can be written and claim it; return its checkpoint.pth to resume from, or None.
 
     Fails now, not after an epoch, on an unwritable folder; a damaged checkpoint is refused and kept,
     and so is one trained with other hyperparameters (--lr, --batch-size, --seed) than args.
@@ -432,6 +461,7 @@ def load_checkpoint(args):
     except OSError as e:
         raise SetupError(f'cannot write to the output folder {folder} ({e.strerror}); pass '
                          f'--output-dir with a folder you can write.' + _laptop_hint(folder)) from None
+    claim(folder)
     if args.no_resume or not os.path.exists(checkpoint_path):
         return None
     try:

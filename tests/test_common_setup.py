@@ -574,6 +574,49 @@ def test_save_checkpoint_flushes_the_logs_then_writes_everything_to_resume(tmp_p
     assert common.load_checkpoint(args_for(tmp_path, lr=0.5, batch_size=16, seed=7))['epochs_done'] == 3
 
 
+def held_elsewhere(folder):
+    """Whether folder is locked against another open file of it, as another process would open it."""
+    descriptor = os.open(folder, os.O_RDONLY)
+    try:
+        common.fcntl.flock(descriptor, common.fcntl.LOCK_EX | common.fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(descriptor)  # a lock taken here goes with it
+    return False
+
+
+@pytest.mark.skipif(common.fcntl is None, reason='no folder locks on Windows')
+def test_claim_holds_the_folder_against_other_runs_and_takes_a_free_one(tmp_path):
+    assert not held_elsewhere(tmp_path)
+    common.load_checkpoint(args_for(tmp_path))  # claims it, for as long as this process runs
+    common.claim(tmp_path / '.')  # the same folder again: this process holds it already
+    assert held_elsewhere(tmp_path)
+    held = tmp_path / 'held'
+    held.mkdir()
+    other_run = os.open(held, os.O_RDONLY)
+    common.fcntl.flock(other_run, common.fcntl.LOCK_EX)
+    try:
+        with pytest.raises(common.SetupError) as error:
+            common.claim(held)
+        assert str(error.value) == (f'another run is writing to {held} now (the same command in another terminal, '
+                                    f'or a job submitted twice): let it end, or stop it, before running again into '
+                                    f'this folder; or pass another --output-dir.')
+    finally:
+        os.close(other_run)  # that run ends: the folder is free
+    common.claim(held)
+    assert held_elsewhere(held)
+
+
+@pytest.mark.skipif(common.fcntl is None, reason='no folder locks on Windows')
+def test_claim_leaves_a_folder_unguarded_where_there_are_no_locks(tmp_path, monkeypatch):
+    def no_locks(descriptor, operation):
+        raise OSError(errno.ENOLCK, 'No locks available')
+    monkeypatch.setattr(common.fcntl, 'flock', no_locks)
+    common.claim(tmp_path)  # no error: the run goes on unguarded
+    assert os.path.realpath(tmp_path) not in common._claimed
+    common.claim(tmp_path / 'missing')  # no folder: nothing to lock, no error
+
 # --- stopping ------------------------------------------------------------------------------------
 
 NO_SIGHUP = pytest.mark.skipif(SIGHUP is None, reason='no SIGHUP on Windows')

@@ -1,6 +1,6 @@
 """The mistakes users really make end with the right result or one clear paragraph, never a lost result:
 changed hyperparameters on resume, divergence, Ctrl-C and SIGTERM, a full disk, hand-made data folders,
-a device that is not there. Both scripts, run as users run them."""
+a device that is not there, two runs at once into one folder. Both scripts, run as users run them."""
 import gzip
 import re
 import signal
@@ -288,7 +288,35 @@ def test_data_dir_may_name_the_mnist_folder_itself(inner, mnist_dir, tmp_path):
     assert 'Epoch 0 done' in stdout
 
 
-# --- 6. Devices -------------------------------------------------------------------------------------
+# --- 6. Two runs at once into one folder -----------------------------------------------------------
+
+@pytest.mark.skipif(common.fcntl is None, reason='no folder locks on Windows: two runs there are not told apart')
+def test_a_second_run_into_the_folder_of_a_running_one_stops_and_changes_nothing(mnist_big_dir, tmp_path):
+    out = tmp_path / 'out'
+    args = ('--data-dir', mnist_big_dir, '--output-dir', out, '--epochs', '2', '--log-interval', '20')
+    proc, reader = start(train_cmd(*args))
+    reader.wait_for(lambda line: line.startswith('Train Epoch: 1 ['))  # its first checkpoint saved
+    proc.send_signal(signal.SIGSTOP)  # it holds the folder, whenever the second run comes
+    try:
+        before = files(out)
+        refusal = (f'error: another run is writing to {out} now (the same command in another terminal, or a job '
+                   f'submitted twice): let it end, or stop it, before running again into this folder; or pass '
+                   f'another --output-dir.')
+        assert one_paragraph_error(run(train_cmd(*args), check=False)) == refusal
+        job, job_output = start(torchrun('--nnodes=1', '--nproc_per_node=2', '--master_addr=127.0.0.1',
+                                         f'--master_port={free_port()}', ROOT / 'mnist_train_distributed.py', *args))
+        report = torchrun_report(job_output.rest(timeout=120))
+        assert job.returncode == 1 and report['root'] == (0, refusal), job_output.lines
+        assert files(out) == before, 'nothing of the running one written over'
+    finally:
+        proc.send_signal(signal.SIGCONT)
+    output = reader.rest(timeout=120)
+    assert proc.returncode == 0 and output.rstrip().endswith('Training complete. writer.close()'), output
+    _, stdout, _ = run(train_cmd(*args))  # once it has ended, the folder is free again
+    assert stdout.startswith('Training already complete'), stdout
+
+
+# --- 7. Devices -------------------------------------------------------------------------------------
 
 def test_a_device_that_is_not_there_gets_a_clear_message(tmp_path):
     if torch.backends.mps.is_available():

@@ -392,7 +392,7 @@ CHECKPOINT_KEYS = {'model', 'optimizer', 'epochs_done', 'best_val_accuracy', 'be
 TRAINING_FLAGS = {'lr': '--lr', 'batch_size': '--batch-size', 'seed': '--seed'}  # they change the result
 _writing = set()  # the temporary files and folders being written now (saves, downloads): a stop removes them
 _epochs_saved = None  # epochs in this run's checkpoint, once resume() has set the run up (a stop's line says it)
-_claimed = {}  # output folders this process holds locked, with their open descriptors (see claim)
+_claimed = set()  # output folders this process holds locked (see claim)
 
 
 def save_atomic(obj, path):
@@ -443,7 +443,7 @@ def claim(folder):
                              f'a job submitted twice): let it end, or stop it, before running again into this '
                              f'folder; or pass another --output-dir.') from None
         return  # no locks on this filesystem
-    _claimed[key] = descriptor  # kept open: the lock lasts as long as the process
+    _claimed.add(key)  # its descriptor is never closed: the lock lasts as long as the process
 
 
 def load_checkpoint(args):

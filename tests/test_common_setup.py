@@ -617,6 +617,7 @@ def test_claim_leaves_a_folder_unguarded_where_there_are_no_locks(tmp_path, monk
     assert os.path.realpath(tmp_path) not in common._claimed
     common.claim(tmp_path / 'missing')  # no folder: nothing to lock, no error
 
+
 # --- stopping ------------------------------------------------------------------------------------
 
 NO_SIGHUP = pytest.mark.skipif(SIGHUP is None, reason='no SIGHUP on Windows')

@@ -436,13 +436,14 @@ def claim(folder):
         return
     try:
         fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as e:
+    except BlockingIOError:
         os.close(descriptor)
-        if isinstance(e, BlockingIOError):
-            raise SetupError(f'another run is writing to {folder} now (the same command in another terminal, or '
-                             f'a job submitted twice): let it end, or stop it, before running again into this '
-                             f'folder; or pass another --output-dir.') from None
-        return  # no locks on this filesystem
+        raise SetupError(f'another run is writing to {folder} now (the same command in another terminal, or a job '
+                         f'submitted twice): let it end, or stop it, before running again into this folder; or pass '
+                         f'another --output-dir.') from None
+    except OSError:  # no locks on this filesystem
+        os.close(descriptor)
+        return
     _claimed.add(key)  # its descriptor is never closed: the lock lasts as long as the process
 
 

@@ -1,5 +1,7 @@
 """framing.py, the reading of pictures, without a server: bytes or PIL images in, MNIST's 28x28 out."""
 import io
+import struct
+import zlib
 
 import numpy as np
 import pytest
@@ -50,6 +52,8 @@ def test_an_mnist_png_gives_bit_for_bit_the_validation_tensor(mnist_dir):
         assert torch.equal(framing.to_tensor(png)[0], dataset[i][0]), f'image {i}'
         assert torch.equal(framing.to_tensor(Image.fromarray(dataset.data[i].numpy()))[0], dataset[i][0])
         assert framing.to_mnist(png).tobytes() == dataset.data[i].numpy().tobytes()
+        rgb = encode(Image.fromarray(dataset.data[i].numpy()).convert('RGB'))  # as some tools save it
+        assert torch.equal(framing.to_tensor(rgb)[0], dataset[i][0]), f'image {i} in RGB'
 
 
 def test_any_picture_is_framed_as_mnist_framed_its_digits():
@@ -80,6 +84,8 @@ def test_exif_orientation_and_transparency_are_honoured():
     exif = Image.Exif()
     exif[0x0112] = 6  # stored on its side: turn 90 degrees clockwise to view
     assert torch.equal(framed(seven().rotate(90, expand=True), exif=exif), reference)
+    exif[0x0112] = 2  # stored mirrored (a front camera's): flip to view
+    assert torch.equal(framed(ImageOps.mirror(seven()), exif=exif), reference)
     strokes = ImageOps.invert(seven(paper=235, ink=20))  # the drawing's opacity: 0 around the strokes
     for colour in ('white', 'black'):  # light or dark strokes on a transparent canvas
         canvas = Image.new('RGBA', strokes.size, colour)
@@ -88,16 +94,21 @@ def test_exif_orientation_and_transparency_are_honoured():
     palette = seven(paper=0, ink=255).convert('P')  # a white 7 on black, black made transparent
     palette.info['transparency'] = 0
     assert like(framed(palette, transparency=0), reference, 0.95)[0]
+    black = seven(paper=0, ink=1).point(lambda v: v > 0).convert('P')  # a GIF's black 7 on transparent black
+    black.putpalette([0, 0, 0] * 2)
+    assert like(framed(black, 'GIF', transparency=0), reference, 0.95)[0], 'read from its opacity, as an RGBA one'
 
 
-@pytest.mark.parametrize('side, width', [(1024, 3), (2000, 3), (4096, 8), (4096, 160)])
-def test_a_large_picture_is_read_from_a_crop_of_bounded_size(side, width, monkeypatch):
-    """Fine and broad pens on large canvases: the digit is framed as on a small one, and the work on the
-    ink is done on at most about WORK_SIDE pixels a side, whatever the picture's size."""
+@pytest.mark.parametrize('side, width, chalk', [(1024, 3, False), (2000, 3, False), (2000, 3, True),
+                                                (4096, 8, False), (4096, 160, False)])
+def test_a_large_picture_is_read_from_a_crop_of_bounded_size(side, width, chalk, monkeypatch):
+    """Fine and broad pens on large canvases, dark ink or chalk (light on dark): the digit is framed as on a
+    small one, and the work on the ink is done on at most about WORK_SIDE pixels a side, whatever the size."""
     sizes, frame = [], framing.frame
     monkeypatch.setattr(framing, 'frame', lambda ink, smooth: (sizes.append(ink.shape), frame(ink, smooth))[1])
     scale = side / 300
-    big = seven((side, side * 4 // 5), tuple(round(v * scale) for v in (100, 60, 180, 190)), width=width)
+    paper, ink = (20, 235) if chalk else (235, 30)
+    big = seven((side, side * 4 // 5), tuple(round(v * scale) for v in (100, 60, 180, 190)), paper, ink, width)
     tensor = framed(big)
     assert max(sizes[0]) <= framing.WORK_SIDE * 1.6, sizes
     side_, (row, col) = geometry(tensor)
@@ -122,6 +133,11 @@ def test_large_images_are_decoded_within_bounds():
     assert 19 <= side <= 21, side
     with pytest.raises(framing.TooLarge, match='at most 16777216 are served'):
         framing.decode(encode(Image.new('L', (40_000_000, 1))))  # 40 megapixels in a few KB
+    chunks = [(b'IHDR', struct.pack('>IIBBBBB', 100_000, 100_000, 8, 0, 0, 0, 0)), (b'IDAT', b'')]
+    png = b'\x89PNG\r\n\x1a\n' + b''.join(struct.pack('>I', len(data)) + kind + data
+                                         + struct.pack('>I', zlib.crc32(kind + data)) for kind, data in chunks)
+    with pytest.raises(framing.TooLarge, match='10000000000 pixels'):
+        framing.decode(png)  # 10 gigapixels declared: refused as Pillow opens it, by its own check
 
 
 def test_noise_costs_no_more_than_a_digit():
@@ -133,10 +149,12 @@ def test_noise_costs_no_more_than_a_digit():
     (b'this is not an image', framing.NotAnImage, 'not an image Pillow can read'),
     (encode(Image.fromarray(np.random.default_rng(0).integers(0, 256, (28, 28), dtype=np.uint8)))[:300],
      framing.Damaged, 'the image cannot be decoded'),
-    (encode(Image.new('L', (28, 28), 0)), framing.NoDigit, 'the image has no digit: it is blank'),
+    (encode(Image.new('L', (28, 28), 0)), framing.NoDigit, r'^the image has no digit: it is blank or all of one '
+     r'colour \(send a dark digit on light paper, or light on dark\)$'),
+    (encode(Image.new('L', (28, 28), 128)), framing.NoDigit, 'the image has no digit'),
     (encode(Image.new('RGB', (3000, 2000), (200, 190, 180))), framing.NoDigit, 'the image has no digit'),
     (encode(Image.new('RGBA', (64, 64), (0, 0, 0, 0))), framing.NoDigit, 'the image has no digit'),
-], ids=['text', 'truncated', 'black', 'one colour', 'transparent'])
+], ids=['text', 'truncated', 'black', 'grey', 'one colour', 'transparent'])
 def test_each_problem_has_its_exception(data, error, message):
     with pytest.raises(error, match=message):
         framing.to_mnist(data)
@@ -153,11 +171,13 @@ def test_each_problem_has_its_exception(data, error, message):
      ['Content-Disposition: form-data; name="note"',
       'Content-Disposition: form-data; name="a; filename=b.png"',
       'Content-Disposition: form-data; name="c"\r\nContent-Type: text/plain'], []),
+    ('multipart/form-data; boundary=XyZ',  # a file of a type the browser does not know
+     ['Content-Disposition: form-data; name="f"; filename="d.png"\r\nContent-Type: application/octet-stream'], [0]),
     ('multipart/form-data', ['Content-Disposition: form-data; name="f"; filename="d.png"'], []),  # no boundary
-], ids=['plain', 'quoted-boundary', 'rfc2231-and-type', 'no-file', 'no-boundary'])
+], ids=['plain', 'quoted-boundary', 'rfc2231-and-type', 'no-file', 'octet-stream', 'no-boundary'])
 def test_form_files_are_the_parts_with_a_filename_or_an_image_type(content_type, parts, expected):
     boundary = (content_type.rpartition('oundary=')[2].strip('"') if 'oundary=' in content_type else 'XyZ').encode()
-    datas = [b'\x89PNG file %d\r\n--not the boundary\r\n' % k for k in range(len(parts))]
+    datas = [b'\x89PNG file %d\r\n\r\n--not the boundary\r\n' % k for k in range(len(parts))]  # a blank line too
     body = b''.join(b'--' + boundary + b'\r\n' + head.encode() + b'\r\n\r\n' + data + b'\r\n'
                     for head, data in zip(parts, datas)) + b'--' + boundary + b'--\r\n'
     assert framing.form_files(body, content_type) == [datas[k] for k in expected]

@@ -133,11 +133,23 @@ def test_large_images_are_decoded_within_bounds():
     assert 19 <= side <= 21, side
     with pytest.raises(framing.TooLarge, match='at most 16777216 are served'):
         framing.decode(encode(Image.new('L', (40_000_000, 1))))  # 40 megapixels in a few KB
-    chunks = [(b'IHDR', struct.pack('>IIBBBBB', 100_000, 100_000, 8, 0, 0, 0, 0)), (b'IDAT', b'')]
-    png = b'\x89PNG\r\n\x1a\n' + b''.join(struct.pack('>I', len(data)) + kind + data
-                                         + struct.pack('>I', zlib.crc32(kind + data)) for kind, data in chunks)
     with pytest.raises(framing.TooLarge, match='10000000000 pixels'):
-        framing.decode(png)  # 10 gigapixels declared: refused as Pillow opens it, by its own check
+        framing.decode(png_header(100_000, 100_000))  # refused as Pillow opens it, by its own check
+
+
+def png_header(width, height):
+    """A grey PNG's header and no pixels: what a picture claims to be, in 45 bytes."""
+    chunks = [(b'IHDR', struct.pack('>IIBBBBB', width, height, 8, 0, 0, 0, 0)), (b'IDAT', b'')]
+    return b'\x89PNG\r\n\x1a\n' + b''.join(struct.pack('>I', len(data)) + kind + data
+                                          + struct.pack('>I', zlib.crc32(kind + data)) for kind, data in chunks)
+
+
+def test_pixel_count_reads_the_header_only():
+    """How serve.py tells the images of a small body it reads at once (few pixels) from those it hands to a thread;
+    bytes that are no image, or one refused as it opens, count 0: their error is as quick."""
+    assert framing.pixel_count(png_header(4096, 3000)) == 4096 * 3000
+    assert framing.pixel_count(encode(Image.new('L', (28, 28)))) == 28 * 28
+    assert framing.pixel_count(b'not an image') == framing.pixel_count(png_header(100_000, 100_000)) == 0
 
 
 def test_noise_costs_no_more_than_a_digit():

@@ -161,6 +161,8 @@ def test_every_request_form_gets_the_same_answer(server, model_file, tmp_path):
     assert post(port, *multipart(image, other)) == (200, {'predictions': two})
     images = [encoded, base64.b64encode(other).decode()]
     assert post(port, json.dumps({'images': images})) == (200, {'predictions': two})
+    indented = '\n  ' + json.dumps({'images': images}, indent=2)  # as a file or a template may hold it
+    assert post(port, indented, {'Content-Type': 'application/json'}) == (200, {'predictions': two})
     # Chunked, as a client streaming a file sends it.
     connection = http.client.HTTPConnection('127.0.0.1', port, timeout=30)
     connection.request('POST', '/predict', body=iter([image[:100], image[100:]]), encode_chunked=True)
@@ -213,8 +215,11 @@ def test_an_unrecognised_body_gets_400_naming_the_accepted_forms(server, body, h
 def test_a_bad_image_among_several_is_named(server):
     status, reply = post(server[0], *multipart(png(1), b'not an image'))
     assert status == 400 and reply['error'].startswith('image 2 of 2: the body is not an image')
-    status, reply = post(server[0], json.dumps({'images': [base64.b64encode(png(1)).decode()] * 17}))
-    assert status == 413 and 'at most 16 are served at once' in reply['error']
+    sixteen = [base64.b64encode(png(1)).decode()] * 16
+    status, reply = post(server[0], json.dumps({'images': sixteen}))
+    assert status == 200 and len(reply['predictions']) == 16, 'at most 16: 16 are served'
+    status, reply = post(server[0], json.dumps({'images': sixteen + sixteen[:1]}))
+    assert status == 413 and reply['error'] == 'the request holds 17 images; at most 16 are served at once'
 
 
 @pytest.mark.parametrize('raw, status, message', [

@@ -438,6 +438,35 @@ def test_past_the_deadline_a_request_gets_503_or_504_and_its_work_is_dropped(mod
 
 
 @pytest.mark.one_leg
+def test_past_256_requests_waiting_for_the_prediction_thread_a_request_gets_503_at_once(model_file):
+    """Two requests of 16 of the largest images keep the one thread busy for seconds (0.2 s an image); meanwhile
+    300 requests that need the thread (29x29: too large to be read on the event loop) arrive, in well under one."""
+    proc, reader, port = serve(model_file, '--workers', '1', '--threads', '1', '--deadline', '120')
+    busy = json.dumps({'images': [base64.b64encode(largest_png()).decode()] * 16})
+    blockers, replies = [], []
+    threads = [threading.Thread(target=lambda: blockers.append(post(port, busy, timeout=150)[0])) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    time.sleep(0.5)  # their bodies in, their work begun
+
+    def client():
+        connection = http.client.HTTPConnection('127.0.0.1', port, timeout=150)
+        connection.request('POST', '/predict', body=png(3, size=29))
+        response = connection.getresponse()
+        replies.append((response.status, response.getheader('retry-after'), json.loads(response.read())))
+    at_once(300, client)
+    for thread in threads:
+        thread.join()
+    assert blockers == [200, 200]
+    refused = [reply for reply in replies if reply[0] == 503]
+    message = {'error': '256 requests are waiting already; try again shortly'}
+    assert refused and all(reply == (503, '1', message) for reply in refused), refused[:1]
+    served = [reply for reply in replies if reply[0] == 200]
+    assert len(served) + len(refused) == 300 and len(served) >= 256 - 2, len(served)  # 256 waiting, the 2 among them
+    assert all(body == served[0][2] for _, _, body in served)  # the same image, the same answer
+
+
+@pytest.mark.one_leg
 def test_a_client_that_goes_away_costs_no_more_work(model_file):
     proc, reader, port = serve(model_file, '--workers', '1')
     big = largest_png()

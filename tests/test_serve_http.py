@@ -464,6 +464,7 @@ def test_past_256_requests_waiting_for_the_prediction_thread_a_request_gets_503_
     served = [reply for reply in replies if reply[0] == 200]
     assert len(served) + len(refused) == 300 and len(served) >= 256 - 2, len(served)  # 256 waiting, the 2 among them
     assert all(body == served[0][2] for _, _, body in served)  # the same image, the same answer
+    assert post(port, png(3, size=29)) == (200, served[0][2])  # the bound counts requests waiting now, not all so far
 
 
 @pytest.mark.one_leg

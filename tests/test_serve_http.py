@@ -440,8 +440,17 @@ def test_past_the_deadline_a_request_gets_503_or_504_and_its_work_is_dropped(mod
 @pytest.mark.one_leg
 def test_past_256_requests_waiting_for_the_prediction_thread_a_request_gets_503_at_once(model_file):
     """Two requests of 16 of the largest images keep the one thread busy for seconds (0.2 s an image); meanwhile
-    300 requests that need the thread (29x29: too large to be read on the event loop) arrive, in well under one."""
+    300 requests that need the thread (29x29: too large to be read on the event loop) arrive, in well under one.
+    Before them 300 such requests were answered one after the other: the bound counts the requests waiting now."""
     proc, reader, port = serve(model_file, '--workers', '1', '--threads', '1', '--deadline', '120')
+    small, statuses = png(3, size=29), []
+    connection = http.client.HTTPConnection('127.0.0.1', port, timeout=30)
+    for _ in range(300):
+        connection.request('POST', '/predict', body=small)
+        response = connection.getresponse()
+        response.read()
+        statuses.append(response.status)
+    assert statuses == [200] * 300
     busy = json.dumps({'images': [base64.b64encode(largest_png()).decode()] * 16})
     blockers, replies = [], []
     threads = [threading.Thread(target=lambda: blockers.append(post(port, busy, timeout=150)[0])) for _ in range(2)]
@@ -451,7 +460,7 @@ def test_past_256_requests_waiting_for_the_prediction_thread_a_request_gets_503_
 
     def client():
         connection = http.client.HTTPConnection('127.0.0.1', port, timeout=150)
-        connection.request('POST', '/predict', body=png(3, size=29))
+        connection.request('POST', '/predict', body=small)
         response = connection.getresponse()
         replies.append((response.status, response.getheader('retry-after'), json.loads(response.read())))
     at_once(300, client)
@@ -464,7 +473,7 @@ def test_past_256_requests_waiting_for_the_prediction_thread_a_request_gets_503_
     served = [reply for reply in replies if reply[0] == 200]
     assert len(served) + len(refused) == 300 and len(served) >= 256 - 2, len(served)  # 256 waiting, the 2 among them
     assert all(body == served[0][2] for _, _, body in served)  # the same image, the same answer
-    assert post(port, png(3, size=29)) == (200, served[0][2])  # the bound counts requests waiting now, not all so far
+    assert post(port, small) == (200, served[0][2])  # the bound counts requests waiting now, not all so far
 
 
 @pytest.mark.one_leg

@@ -1,5 +1,7 @@
 """serve.py as EAS runs it: a subprocess on a port, real HTTP requests, real PNG and JPEG files."""
 import argparse
+import asyncio
+import gc
 import io
 import json
 import os
@@ -250,6 +252,32 @@ def test_a_worker_holding_2_more_busy_connections_than_another_closes_one():
     assert not any(app.crowded(('127.0.0.1', 40000 + n // 2)) for n in range(check)) and app.held[0] == 0
     alone = serve.App(None, argparse.Namespace(threads=1), 1)  # one worker: nowhere to go
     assert not any(alone.crowded(kept[n % 4]) for n in range(check))
+
+
+def test_work_that_fails_after_its_deadline_leaves_no_error_in_the_log(monkeypatch, caplog):
+    """serve.App.run: a prediction begun, past --deadline (504), that then fails. Its error has no request left to
+    go to; it is read and dropped, not logged by asyncio as an exception never retrieved (a traceback per request)."""
+    import serve
+    begun = threading.Event()
+
+    def fails_slowly(*args):
+        begun.set()
+        threading.Event().wait(1)  # still reading long after the deadline
+        raise framing.Refused(400, 'the image cannot be decoded')
+    monkeypatch.setattr(serve.framing, 'answer', fails_slowly)
+    app = serve.App(None, argparse.Namespace(threads=1, deadline=0.3), 1)
+
+    async def never_disconnects():
+        await asyncio.Event().wait()
+
+    async def request():
+        with pytest.raises(framing.Refused) as refused:
+            await app.run(bytes(serve.QUICK_BYTES + 1), 'image/png', False, never_disconnects)
+        assert begun.is_set() and refused.value.status == 504
+        await asyncio.sleep(1.5)  # the work ends meanwhile, in error
+    asyncio.run(request())
+    gc.collect()  # where an unread error would be logged
+    assert not [record for record in caplog.records if record.name == 'asyncio'], caplog.text
 
 
 @pytest.mark.skipif(sys.platform == 'win32', reason='Gunicorn, whose hook this is, does not run on Windows')

@@ -256,8 +256,12 @@ def test_a_request_uvicorn_cannot_parse_gets_400_and_the_connection_closes(serve
     assert post(server[0], png(5))[0] == 200
 
 
-def test_head_and_options(server):
+def test_head_and_options_and_405_name_the_methods_a_path_takes(server):
     connection = http.client.HTTPConnection('127.0.0.1', server[0], timeout=30)
+    connection.request('GET', '/predict')
+    response = connection.getresponse()
+    assert response.status == 405 and response.headers['allow'] == 'POST, OPTIONS'  # as HTTP asks of a 405
+    assert json.loads(response.read()) == {'error': '/predict takes POST'}
     connection.request('HEAD', '/health')
     response = connection.getresponse()
     assert response.status == 200 and response.read() == b'' and int(response.headers['content-length']) > 0

@@ -182,7 +182,7 @@ def test_post_to_the_root_answers_as_predict_does(service, mnist_dir):
     connection.request('GET', '/')
     response = connection.getresponse()
     assert response.status == 200 and response.getheader('Content-Type') == 'text/html; charset=utf-8'
-    assert b'<canvas' in response.read()
+    assert response.read() == (ROOT / 'page' / 'index.html').read_bytes()  # the page as it is
     connection.request('PUT', '/', b'x')
     response = connection.getresponse()
     assert response.status == 405 and json.loads(response.read()) == {'error': '/ takes GET or POST'}

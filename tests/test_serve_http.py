@@ -760,6 +760,23 @@ def test_where_gunicorn_does_not_run_one_process_serves(model_file):
     assert proc.wait(timeout=30) == 0
 
 
+@pytest.mark.one_leg
+def test_without_its_page_the_service_says_so_at_the_root_and_serves_on(model_file, tmp_path):
+    for name in ('serve.py', 'framing.py', 'common.py'):  # uploaded without page/
+        shutil.copy(ROOT / name, tmp_path / name)
+    port = free_port()
+    proc, reader = start([sys.executable, tmp_path / 'serve.py', '--model', model_file, '--port', str(port)])
+    STARTED.append(proc)
+    reader.wait_for(lambda line: line.startswith('Serving'), timeout=60)
+    connection = http.client.HTTPConnection('127.0.0.1', port, timeout=30)
+    connection.request('GET', '/')
+    response = connection.getresponse()
+    missing = ('the page is missing: upload page/index.html beside serve.py; POST /predict and GET /health work '
+               'without it')
+    assert response.status == 404 and json.loads(response.read()) == {'error': missing}
+    assert post(port, png(1))[0] == 200
+
+
 @pytest.mark.parametrize('flags, message', [
     (['--port', '70000'], 'error: --port 70000 is not a port: pass one from 1 to 65535 (or 0 for any free one).'),
     (['--host', 'no-such-host.invalid'],

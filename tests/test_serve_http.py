@@ -192,7 +192,7 @@ def test_framed_1_adds_the_28x28_image_the_model_read_and_only_then(server):
     shown = Image.open(io.BytesIO(base64.b64decode(reply['framed'].partition(',')[2])))
     assert shown.size == (28, 28) and shown.tobytes() == framing.to_mnist(image).tobytes()
     body, headers = multipart(png(1), png(2))
-    connection.request('POST', '/predict?framed=1', body=body, headers=headers)
+    connection.request('POST', '/predict?token=abc&framed=1', body=body, headers=headers)  # among other fields
     response = connection.getresponse()
     several = json.loads(response.read())['predictions']
     assert [p['framed'][:22] for p in several] == ['data:image/png;base64,'] * 2

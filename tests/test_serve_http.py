@@ -256,6 +256,20 @@ def test_a_request_uvicorn_cannot_parse_gets_400_and_the_connection_closes(serve
     assert post(server[0], png(5))[0] == 200
 
 
+def test_a_chunked_body_is_served_up_to_10_mib_and_refused_past_them(server):
+    """A chunked body has no length to refuse it by in advance: it is counted as it comes."""
+    head = b'POST /predict HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n'
+    body = png(7) + bytes(10 * 2**20 - len(png(7)))  # a PNG, then padding to exactly 10 MiB: Pillow reads the PNG
+    chunks = b''.join(b'%x\r\n%s\r\n' % (len(body[k:k + 2**20]), body[k:k + 2**20]) for k in range(0, len(body), 2**20))
+    replies, _ = exchange(server[0], head + chunks + b'0\r\n\r\n', count=1)
+    assert [status for status, _, _ in replies] == [200], replies
+    over = body + b'x'  # in one chunk, its terminating chunk unsent: the reply comes once the byte too many is read
+    replies, closed = exchange(server[0], head + b'%x\r\n%s\r\n' % (len(over), over))
+    message = 'the body is over 10485760 bytes; at most that many are served'
+    assert [(status, reply) for status, _, reply in replies] == [(413, {'error': message})]
+    assert closed and replies[0][1]['connection'] == 'close'
+
+
 def test_head_and_options_and_405_name_the_methods_a_path_takes(server):
     connection = http.client.HTTPConnection('127.0.0.1', server[0], timeout=30)
     connection.request('GET', '/predict')

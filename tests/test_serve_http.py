@@ -263,8 +263,8 @@ def test_a_chunked_body_is_served_up_to_10_mib_and_refused_past_them(server):
     chunks = b''.join(b'%x\r\n%s\r\n' % (len(body[k:k + 2**20]), body[k:k + 2**20]) for k in range(0, len(body), 2**20))
     replies, _ = exchange(server[0], head + chunks + b'0\r\n\r\n', count=1)
     assert [status for status, _, _ in replies] == [200], replies
-    over = body + b'x'  # in one chunk, its terminating chunk unsent: the reply comes once the byte too many is read
-    replies, closed = exchange(server[0], head + b'%x\r\n%s\r\n' % (len(over), over))
+    over = body + b'x'  # in one chunk, sent up to its last byte: the reply comes once that byte, too many, is read
+    replies, closed = exchange(server[0], head + b'%x\r\n' % len(over) + over)  # nothing unread: no reset
     message = 'the body is over 10485760 bytes; at most that many are served'
     assert [(status, reply) for status, _, reply in replies] == [(413, {'error': message})]
     assert closed and replies[0][1]['connection'] == 'close'

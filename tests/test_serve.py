@@ -254,6 +254,31 @@ def test_a_worker_holding_2_more_busy_connections_than_another_closes_one():
     assert not any(alone.crowded(kept[n % 4]) for n in range(check))
 
 
+def test_a_bug_of_the_servers_gets_500_in_json_and_one_log_line_saying_where(monkeypatch, capsys):
+    """serve.App.__call__ around a request whose handling raises what no reply was made for."""
+    import serve
+    app = serve.App(None, argparse.Namespace(threads=1), 1)
+
+    def look_up():
+        return {}['digit']  # the line named
+
+    async def respond(scope, receive):
+        return look_up()
+    monkeypatch.setattr(app, 'respond', respond)
+    sent = []
+
+    async def send(message):
+        sent.append(message)
+    scope = {'type': 'http', 'method': 'POST', 'path': '/predict', 'query_string': b'', 'headers': [],
+             'client': ('127.0.0.1', 50000)}
+    asyncio.run(app(scope, None, send))
+    assert sent[0]['status'] == 500
+    assert json.loads(sent[1]['body']) == {'error': 'the server failed on this request (KeyError)'}
+    where = f'test_serve.py:{look_up.__code__.co_firstlineno + 1}'
+    log = capsys.readouterr().err
+    assert re.fullmatch(rf"error: KeyError: 'digit' at {where}\nPOST /predict 500 \d+\.\d ms\n", log), log
+
+
 def test_work_that_fails_after_its_deadline_leaves_no_error_in_the_log(monkeypatch, caplog):
     """serve.App.run: a prediction begun, past --deadline (504), that then fails. Its error has no request left to
     go to; it is read and dropped, not logged by asyncio as an exception never retrieved (a traceback per request)."""

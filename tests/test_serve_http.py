@@ -441,9 +441,16 @@ def largest_png():
 def test_past_the_deadline_a_request_gets_503_or_504_and_its_work_is_dropped(model_file):
     proc, reader, port = serve(model_file, '--workers', '1', '--deadline', '0.05')
     big, statuses = largest_png(), []
-    at_once(4, lambda: statuses.append(post(port, big)))
-    assert sorted(status for status, _ in statuses) in ([503, 503, 503, 504], [503, 503, 504, 504]), statuses
-    assert all(reply['error'].startswith('the image(s) were not read within 0.05s') for _, reply in statuses)
+
+    def client():
+        connection = http.client.HTTPConnection('127.0.0.1', port, timeout=30)
+        connection.request('POST', '/predict', body=big)
+        response = connection.getresponse()
+        statuses.append((response.status, json.loads(response.read()), response.getheader('retry-after')))
+    at_once(4, client)
+    assert sorted(status for status, _, _ in statuses) in ([503, 503, 503, 504], [503, 503, 504, 504]), statuses
+    assert all(reply['error'].startswith('the image(s) were not read within 0.05s') for _, reply, _ in statuses)
+    assert [retry for _, _, retry in statuses] == ['1'] * 4
     for _ in range(50):  # the server goes on serving, once the image begun is read (a 0.05 s deadline is short)
         if post(port, png(1))[0] == 200:
             break

@@ -250,6 +250,8 @@ def test_a_worker_holding_2_more_busy_connections_than_another_closes_one():
     assert [app.crowded(kept[n % 4]) for n in range(check)][-1]
     app.held[1] = 0  # a new connection for each request, or two replies a connection: none is busy
     assert not any(app.crowded(('127.0.0.1', 40000 + n // 2)) for n in range(check)) and app.held[0] == 0
+    three = [('127.0.0.1', 30000 + n // 3) for n in range(check - 1)] + [('127.0.0.1', 30000)]  # 3 replies: busy
+    assert [app.crowded(client) for client in three][-1] and app.held[0] == 33
     alone = serve.App(None, argparse.Namespace(threads=1), 1)  # one worker: nowhere to go
     assert not any(alone.crowded(kept[n % 4]) for n in range(check))
 

@@ -799,7 +799,7 @@ def test_without_its_page_the_service_says_so_at_the_root_and_serves_on(model_fi
 
 
 @pytest.mark.parametrize('flags, message', [
-    (['--port', '70000'], 'error: --port 70000 is not a port: pass one from 1 to 65535 (or 0 for any free one).'),
+    (['--port', '65536'], 'error: --port 65536 is not a port: pass one from 1 to 65535 (or 0 for any free one).'),
     (['--host', 'no-such-host.invalid'],
      'error: cannot listen on no-such-host.invalid: no such address on this machine'),
     (['--port', 'IN_USE'], 'Address already in use); pass another --port, or stop what is using it.'),

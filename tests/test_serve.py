@@ -264,10 +264,10 @@ def test_a_worker_holds_80_mib_of_bodies_at_once_and_the_rest_wait_their_turn():
     app = serve.App(None, argparse.Namespace(threads=1), 1)
     size, inside = serve.MAX_BODY_BYTES, []
 
-    async def body(wait, done, deadline=5):
+    async def body(name, answered, deadline=5):
         async with app.body_room(size, asyncio.get_running_loop().time() + deadline):
-            inside.append(wait)
-            await done.wait()
+            inside.append(name)
+            await answered.wait()
 
     async def requests():
         done = [asyncio.Event() for _ in range(9)]
@@ -325,10 +325,10 @@ def test_work_that_fails_after_its_deadline_leaves_no_error_in_the_log(monkeypat
 
     def fails_slowly(*args):
         begun.set()
-        threading.Event().wait(1)  # still reading long after the deadline
+        threading.Event().wait(2)  # still reading long after the deadline
         raise framing.Refused(400, 'the image cannot be decoded')
     monkeypatch.setattr(serve.framing, 'answer', fails_slowly)
-    app = serve.App(None, argparse.Namespace(threads=1, deadline=0.3), 1)
+    app = serve.App(None, argparse.Namespace(threads=1, deadline=1), 1)  # a second to begin: begun on any machine
 
     async def never_disconnects():
         await asyncio.Event().wait()

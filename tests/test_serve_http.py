@@ -260,7 +260,7 @@ def test_a_chunked_body_is_served_up_to_10_mib_and_refused_past_them(server):
     """A chunked body has no length to refuse it by in advance: it is counted as it comes."""
     head = b'POST /predict HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n'
     body = png(7) + bytes(10 * 2**20 - len(png(7)))  # a PNG, then padding to exactly 10 MiB: Pillow reads the PNG
-    chunks = b''.join(b'%x\r\n%s\r\n' % (len(body[k:k + 2**20]), body[k:k + 2**20]) for k in range(0, len(body), 2**20))
+    chunks = b''.join(b'%x\r\n%s\r\n' % (2**20, body[k:k + 2**20]) for k in range(0, len(body), 2**20))  # of 1 MiB
     replies, _ = exchange(server[0], head + chunks + b'0\r\n\r\n', count=1)
     assert [status for status, _, _ in replies] == [200], replies
     over = body + b'x'  # in one chunk, sent up to its last byte: the reply comes once that byte, too many, is read

@@ -130,6 +130,14 @@ def post(port, body, headers=None, timeout=30):
     return response.status, json.loads(response.read())
 
 
+def post_refusable(port, body, timeout=30):
+    """(status, Retry-After header, JSON body) of a POST /predict that the server may refuse for now."""
+    connection = http.client.HTTPConnection('127.0.0.1', port, timeout=timeout)
+    connection.request('POST', '/predict', body=body)
+    response = connection.getresponse()
+    return response.status, response.getheader('retry-after'), json.loads(response.read())
+
+
 def expected(model_file, *images):
     model = framing.load_model(model_file)
     digits, probabilities = framing.predict(model, torch.cat([framing.to_tensor(i) for i in images]))
@@ -441,16 +449,10 @@ def largest_png():
 def test_past_the_deadline_a_request_gets_503_or_504_and_its_work_is_dropped(model_file):
     proc, reader, port = serve(model_file, '--workers', '1', '--deadline', '0.05')
     big, statuses = largest_png(), []
-
-    def client():
-        connection = http.client.HTTPConnection('127.0.0.1', port, timeout=30)
-        connection.request('POST', '/predict', body=big)
-        response = connection.getresponse()
-        statuses.append((response.status, json.loads(response.read()), response.getheader('retry-after')))
-    at_once(4, client)
+    at_once(4, lambda: statuses.append(post_refusable(port, big)))
     assert sorted(status for status, _, _ in statuses) in ([503, 503, 503, 504], [503, 503, 504, 504]), statuses
-    assert all(reply['error'].startswith('the image(s) were not read within 0.05s') for _, reply, _ in statuses)
-    assert [retry for _, _, retry in statuses] == ['1'] * 4
+    assert all(reply['error'].startswith('the image(s) were not read within 0.05s') for _, _, reply in statuses)
+    assert [retry for _, retry, _ in statuses] == ['1'] * 4
     for _ in range(50):  # the server goes on serving, once the image begun is read (a 0.05 s deadline is short)
         if post(port, png(1))[0] == 200:
             break
@@ -482,13 +484,7 @@ def test_past_256_requests_waiting_for_the_prediction_thread_a_request_gets_503_
     for thread in threads:
         thread.start()
     time.sleep(0.5)  # their bodies in, their work begun
-
-    def client():
-        connection = http.client.HTTPConnection('127.0.0.1', port, timeout=150)
-        connection.request('POST', '/predict', body=small)
-        response = connection.getresponse()
-        replies.append((response.status, response.getheader('retry-after'), json.loads(response.read())))
-    at_once(300, client)
+    at_once(300, lambda: replies.append(post_refusable(port, small, timeout=150)))
     for thread in threads:
         thread.join()
     assert blockers == [200, 200]

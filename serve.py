@@ -110,6 +110,9 @@ class App:
             status, body, headers = e.status, {'error': str(e)}, e.headers
         except ConnectionError:  # the client went away: nobody to answer
             status = 499
+        except asyncio.CancelledError:  # past --grace, uvicorn alone (Windows) cancels what is still in progress
+            status, headers = 503, {'connection': 'close', 'retry-after': '1'}
+            body = {'error': 'the server stopped before answering this request; send it again'}
         except Exception as e:  # a bug of ours: the client gets JSON, the log one line with where it happened
             where = traceback.extract_tb(e.__traceback__)[-1]
             sys.stderr.write(f'error: {type(e).__name__}: {e} at {os.path.basename(where.filename)}:{where.lineno}\n')

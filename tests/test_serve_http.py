@@ -30,9 +30,15 @@ SERVE = ROOT / 'serve.py'
 STARTED = []  # servers a test started: none outlives its test, even one whose assertion failed
 
 
-def serve(model_file, *flags):
+# serve.py as on Windows, here on Linux: told it is on Windows once torch and uvicorn are imported (no Gunicorn)
+AS_ON_WINDOWS = ('import multiprocessing.sharedctypes, runpy, sys, torch, uvicorn; sys.platform = "win32"; '
+                 'sys.argv[0] = sys.argv[1]; del sys.argv[1]; runpy.run_path(sys.argv[0], run_name="__main__")')
+
+
+def serve(model_file, *flags, as_on_windows=False):
     port = free_port()
-    proc, reader = start([sys.executable, SERVE, '--model', model_file, '--port', str(port), *flags])
+    launcher = [sys.executable, '-c', AS_ON_WINDOWS] if as_on_windows else [sys.executable]
+    proc, reader = start([*launcher, SERVE, '--model', model_file, '--port', str(port), *flags])
     STARTED.append(proc)
     reader.wait_for(lambda line: line.startswith('Serving'), timeout=60)
     return proc, reader, port
@@ -754,13 +760,8 @@ def test_kept_alive_connections_all_on_one_worker_are_spread_over_both(model_fil
 def test_where_gunicorn_does_not_run_one_process_serves(model_file):
     """Windows (no Gunicorn, no fork): serve.py serves from its own process with uvicorn; here on Linux, told it
     is on Windows once torch and uvicorn are imported."""
-    port = free_port()
-    code = ('import multiprocessing.sharedctypes, runpy, sys, torch, uvicorn; sys.platform = "win32"; '
-            'sys.argv[0] = sys.argv[1]; del sys.argv[1]; runpy.run_path(sys.argv[0], run_name="__main__")')
-    proc, reader = start([sys.executable, '-c', code, SERVE, '--model', model_file, '--port', str(port),
-                          '--workers', '2'])
-    STARTED.append(proc)
-    assert reader.wait_for(lambda line: line.startswith('Serving'), timeout=60) == (
+    proc, reader, port = serve(model_file, '--workers', '2', as_on_windows=True)
+    assert reader.lines[-1] == (
         f'Serving {model_file} on http://127.0.0.1:{port} with 1 worker process: POST /predict, GET /health, and a '
         f'page to try it at /\n')
     assert post(port, png(1)) == (200, expected(model_file, png(1))[0])
@@ -775,6 +776,37 @@ def test_where_gunicorn_does_not_run_one_process_serves(model_file):
     assert closes == [None] * 120, 'one process closed a connection to spread it'
     proc.send_signal(signal.SIGINT)
     assert proc.wait(timeout=30) == 0
+
+
+@pytest.mark.parametrize('as_on_windows', [False, True], ids=['gunicorn', 'one-process-as-on-windows'])
+def test_uvicorn_is_set_up_alike_under_gunicorn_and_alone(model_file, as_on_windows):
+    """uvicorn's settings, wherever it runs: no Server header, no log lines but serve.py's own, an idle kept-alive
+    connection kept (60 s: past uvicorn's default 5 s and Gunicorn's 2 s), and a stop that waits --grace (rounded up)
+    for a request in progress, then ends it (docs/serving.md says how) and exits 0."""
+    proc, reader, port = serve(model_file, '--grace', '1.5', '--timeout', '600', as_on_windows=as_on_windows)
+    with socket.create_connection(('127.0.0.1', port), timeout=30) as kept, \
+            socket.create_connection(('127.0.0.1', port), timeout=30) as held:
+        kept.sendall(b'GET /health HTTP/1.1\r\nHost: x\r\n\r\n')
+        (status, headers, _), = read_replies(kept, count=1)[0]
+        idle_since = time.monotonic()
+        assert status == 200 and 'server' not in headers, headers
+        time.sleep(6)
+        kept.sendall(b'GET /health HTTP/1.1\r\nHost: x\r\n\r\n')
+        assert [status for status, _, _ in read_replies(kept, count=1)[0]] == [200], \
+            f'closed after {time.monotonic() - idle_since:.1f} s idle'
+        ours = re.compile(r'(Serving .*|GET /health 200 \d+\.\d ms)\n')
+        assert all(ours.fullmatch(line) for line in reader.drain().splitlines(keepends=True)), reader.lines
+        send_head_for_100_continue(held, 100)  # its body never comes: --timeout would wait 600 s for it
+        proc.send_signal(signal.SIGINT if as_on_windows else signal.SIGTERM)  # Ctrl-C on Windows; EAS's SIGTERM
+        assert proc.wait(timeout=20) == 0  # TimeoutExpired: the stop waited for the body, not --grace
+        replies, closed = read_replies(held)
+    if as_on_windows:  # uvicorn cancels the request: serve.py answers it
+        assert [(status, headers['retry-after'], body) for status, headers, body in replies] == [
+            (503, '1', {'error': 'the server stopped before answering this request; send it again'})] and closed
+        assert 'Traceback' not in reader.rest(), reader.lines
+    else:  # Gunicorn kills the worker
+        assert replies == [] and closed
+        assert re.search(r'^Stopping on SIGTERM: .* within 2s\.$', reader.rest(), re.M), reader.lines
 
 
 @pytest.mark.one_leg

@@ -857,21 +857,16 @@ def test_a_port_below_1024_without_root_is_named(model_file):
                                          'privileges (below 1024: root, on Linux); pass another --port.\n', stderr
 
 
-@pytest.mark.parametrize('host, address, url_host', [('::1', '::1', '[::1]'),
-                                                      ('localhost', '127.0.0.1', '127.0.0.1')])  # as Gunicorn binds it
-def test_ipv6_and_a_hostname(model_file, host, address, url_host):
+@pytest.mark.parametrize('host, address, url_host, as_on_windows', [
+    ('::1', '::1', '[::1]', False), ('localhost', '127.0.0.1', '127.0.0.1', False),  # as Gunicorn binds it
+    ('::1', '::1', '[::1]', True)], ids=['ipv6', 'hostname', 'ipv6-one-process-as-on-windows'])
+def test_ipv6_and_a_hostname(model_file, host, address, url_host, as_on_windows):
     try:
         socket.socket(socket.AF_INET6 if ':' in address else socket.AF_INET).bind((address, 0))
     except OSError:
         pytest.skip(f'no {address} loopback here')
-    port = free_port()
-    proc, reader = start([sys.executable, SERVE, '--model', model_file, '--host', host, '--port', str(port)])
-    try:
-        assert reader.wait_for(lambda line: line.startswith('Serving'), timeout=60).startswith(
-            f'Serving {model_file} on http://{url_host}:{port} ')
-        connection = http.client.HTTPConnection(address, port, timeout=30)
-        connection.request('GET', '/health')
-        assert connection.getresponse().status == 200
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+    proc, reader, port = serve(model_file, '--host', host, as_on_windows=as_on_windows)
+    assert reader.lines[-1].startswith(f'Serving {model_file} on http://{url_host}:{port} ')
+    connection = http.client.HTTPConnection(address, port, timeout=30)
+    connection.request('GET', '/health')
+    assert connection.getresponse().status == 200

@@ -206,6 +206,23 @@ def test_serving_docs_list_every_status_and_every_reply_that_closes_the_connecti
     assert 'the server is busy reading other requests' in (ROOT / 'serve.py').read_text()  # the 503 quoted there
 
 
+def test_the_serving_flags_table_names_each_flag_of_serve_py_with_its_default(monkeypatch):
+    import common
+    import serve
+    monkeypatch.setattr(sys, 'argv', ['serve.py'])
+    defaults = {'--' + name.replace('_', '-'): value for name, value in vars(serve.parse_args()).items()}
+    table = (ROOT / 'docs' / 'serving.md').read_text().split('| flag | default | meaning |')[1].split('\n\n')[0]
+    documented = {}
+    for flags, values in re.findall(r'^\| (`--[^|]*`) \|([^|]*)\|', table, re.M):  # `--host`, `--port` | `h`, `p`
+        documented.update(zip(re.findall(r'`(--[\w-]+)', flags), [value.strip(' `') for value in values.split(',')]))
+    assert documented.keys() == defaults.keys()
+    assert defaults.pop('--workers') == common.usable_cpus()
+    assert documented.pop('--workers') == 'the usable CPUs (1 on Windows)'
+    for flag, value in defaults.items():
+        shown = 'off' if value is False else '' if value is None else value
+        assert documented[flag] == (f'{shown:g}' if isinstance(shown, float) else str(shown)), flag
+
+
 def test_serving_limits_are_the_codes():
     import framing
     import serve

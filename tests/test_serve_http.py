@@ -668,6 +668,20 @@ def test_its_processes_are_found_by_name(model_file):
             assert b'serve.py' in f.read()
 
 
+def test_it_leaves_nothing_in_the_home_folder(model_file, tmp_path):
+    """Gunicorn 25 and later open a control socket for gunicornc, ~/.gunicorn/gunicorn.ctl (or in $XDG_RUNTIME_DIR):
+    one path for every service of a user, the last started taking it, and left there after a stop. serve.py turns
+    it off."""
+    env = script_env(HOME=str(tmp_path))
+    env.pop('XDG_RUNTIME_DIR', None)
+    proc, reader = start([sys.executable, SERVE, '--model', model_file, '--port', str(free_port())], env=env)
+    STARTED.append(proc)
+    reader.wait_for(lambda line: line.startswith('Serving'), timeout=60)
+    proc.terminate()
+    assert proc.wait(timeout=30) == 0
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.skipif(sys.platform != 'linux', reason='reads the worker processes from /proc')
 def test_workers_added_by_gunicorns_ttin_signal_serve_and_stop_with_the_others(model_file):
     """kill -TTIN adds a worker process (Gunicorn's documented signal). Once the shared counts had no slot left

@@ -223,6 +223,21 @@ def test_the_serving_flags_table_names_each_flag_of_serve_py_with_its_default(mo
         assert documented[flag] == (f'{shown:g}' if isinstance(shown, float) else str(shown)), flag
 
 
+def test_serve_py_help_shows_its_run_commands_and_each_flags_default(monkeypatch):
+    import serve
+    monkeypatch.setattr(sys, 'argv', ['serve.py'])
+    defaults = {'--' + name.replace('_', '-'): value for name, value in vars(serve.parse_args()).items()}
+    _, stdout, _ = run([sys.executable, ROOT / 'serve.py', '--help'])
+    assert serve.__doc__.strip() in stdout  # the run commands as written, line for line
+    helps = {}
+    for entry in re.split(r'\n(?=  -)', re.split(r'\n(?:options|optional arguments):\n', stdout)[1]):
+        parts = re.split(r'\s{2,}', entry.strip(), maxsplit=1)  # the option strings, then the help text
+        helps[re.search(r'--[\w-]+', parts[0]).group()] = ' '.join(parts[1].split()) if len(parts) == 2 else ''
+    for flag, value in defaults.items():
+        shown = 'off' if value is False else f'{value:g}' if isinstance(value, float) else str(value)
+        assert helps[flag] and (value is None or '(default: ' in helps[flag] and shown in helps[flag]), flag
+
+
 def test_serving_limits_are_the_codes():
     import framing
     import serve

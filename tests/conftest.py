@@ -1,4 +1,5 @@
 """Shared fixtures: tiny MNIST-format data made here, and ways to run the scripts as users do."""
+import contextlib
 import gzip
 import http.server
 import os
@@ -225,6 +226,19 @@ def start(args, env=None):
     proc = subprocess.Popen([str(a) for a in args], cwd=ROOT, env=env or script_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     return proc, LineReader(proc)
+
+
+@contextlib.contextmanager
+def serving(args):
+    """(proc, reader) of a serve.py started with args, once it says it is serving; stopped after, even if it never
+    said so (a server left running would outlive the suite)."""
+    proc, reader = start(args)
+    try:
+        reader.wait_for(lambda line: line.startswith('Serving'), timeout=60)
+        yield proc, reader
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
 
 
 def read_scalars(log_dir):

@@ -20,7 +20,7 @@ import pytest
 from torchvision import datasets
 
 import framing
-from conftest import ROOT, LineReader, free_port, script_env, start
+from conftest import ROOT, LineReader, free_port, script_env, serving
 from test_serve import SERVE, encode, forward
 
 pytestmark = pytest.mark.one_leg  # HTTP between EAS's SDK, its gateway and serve.py: the same on either torch
@@ -121,12 +121,8 @@ def sdk(tmp_path_factory):
 @pytest.fixture(scope='module')
 def service(model_file):
     port = free_port()
-    proc, reader = start([sys.executable, ROOT / 'serve.py', '--model', model_file, '--port', str(port),
-                          '--workers', '1'])
-    reader.wait_for(lambda line: line.startswith('Serving'), timeout=60)
-    yield port
-    proc.terminate()
-    proc.wait(timeout=30)
+    with serving([sys.executable, ROOT / 'serve.py', '--model', model_file, '--port', str(port), '--workers', '1']):
+        yield port
 
 
 def ask_with_sdk(sdk, gateway, service_name, paths):

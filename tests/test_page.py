@@ -17,7 +17,7 @@ import torch
 from PIL import Image, ImageDraw
 
 import common
-from conftest import ROOT, free_port, start
+from conftest import ROOT, free_port, serving
 
 pytestmark = pytest.mark.one_leg  # a browser and a model trained here: about 40 s, the same on either torch
 webdriver = pytest.importorskip('selenium.webdriver', reason='selenium is not installed (requirements-test.txt)')
@@ -70,20 +70,17 @@ def model_file(tmp_path_factory):
 @pytest.fixture(scope='module')
 def page(model_file):
     port = free_port()
-    proc, reader = start([sys.executable, ROOT / 'serve.py', '--model', model_file, '--port', str(port)])
-    reader.wait_for(lambda line: line.startswith('Serving'), timeout=60)
     options = webdriver.ChromeOptions()
     options.binary_location = CHROMIUM
     for flag in ('--headless=new', '--no-sandbox', '--disable-dev-shm-usage', '--window-size=1000,800'):
         options.add_argument(flag)
-    browser = webdriver.Chrome(options=options, service=webdriver.ChromeService(executable_path=DRIVER))
-    try:
-        browser.get(f'http://127.0.0.1:{port}/')
-        yield browser
-    finally:
-        browser.quit()
-        proc.terminate()
-        proc.wait(timeout=30)
+    with serving([sys.executable, ROOT / 'serve.py', '--model', model_file, '--port', str(port)]):
+        browser = webdriver.Chrome(options=options, service=webdriver.ChromeService(executable_path=DRIVER))
+        try:
+            browser.get(f'http://127.0.0.1:{port}/')
+            yield browser
+        finally:
+            browser.quit()
 
 
 def shown(browser, expected):

@@ -22,7 +22,7 @@ from torchvision import datasets
 import common
 import framing
 import mnist_train  # its transform: what the model was trained on
-from conftest import ROOT, free_port, run, run_into_a_closed_pipe, skip_on_windows_pipes, start
+from conftest import ROOT, free_port, run, run_into_a_closed_pipe, serving, skip_on_windows_pipes
 
 SERVE = ROOT / 'serve.py'
 
@@ -30,11 +30,8 @@ SERVE = ROOT / 'serve.py'
 @pytest.fixture(scope='module')
 def server(model_file):
     port = free_port()
-    proc, reader = start([sys.executable, SERVE, '--model', model_file, '--port', str(port), '--timeout', '2'])
-    reader.wait_for(lambda line: line.startswith('Serving'), timeout=60)
-    yield f'http://127.0.0.1:{port}', port, reader
-    proc.terminate()
-    proc.wait(timeout=30)
+    with serving([sys.executable, SERVE, '--model', model_file, '--port', str(port), '--timeout', '2']) as (_, reader):
+        yield f'http://127.0.0.1:{port}', port, reader
 
 
 def request(url, data=None, method=None):

@@ -379,3 +379,15 @@ def test_the_default_workers_are_the_usable_cpus_and_one_on_windows(monkeypatch)
     assert serve.parse_args().workers == 3
     monkeypatch.setattr(serve.sys, 'platform', 'win32')  # one process: no fork, no graceful stop of others
     assert serve.parse_args().workers == 1
+
+
+@pytest.mark.parametrize('flag, value, kind', [
+    ('--workers', '0', 'int'), ('--threads', '0', 'int'), ('--timeout', '0', 'float'), ('--deadline', '-1', 'float'),
+    ('--worker-timeout', '1.5', 'int'), ('--grace', 'soon', 'float')])
+def test_a_flag_value_out_of_range_is_named_before_anything_starts(monkeypatch, capsys, flag, value, kind):
+    import serve
+    monkeypatch.setattr(sys, 'argv', ['serve.py', flag, value])
+    with pytest.raises(SystemExit) as stop:
+        serve.parse_args()
+    assert stop.value.code == 2
+    assert capsys.readouterr().err.endswith(f'error: argument {flag}: must be a positive {kind}, got {value!r}\n')

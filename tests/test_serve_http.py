@@ -665,7 +665,8 @@ def test_its_processes_are_found_by_name(model_file):
     proc, _, port = serve(model_file, '--workers', '2')
     for pid in (proc.pid, *answering(port, 2)):
         with open(f'/proc/{pid}/cmdline', 'rb') as f:
-            assert b'serve.py' in f.read()
+            title = f.read()
+        assert b'serve.py' in title, (pid, proc.pid, title)
 
 
 def test_it_leaves_nothing_in_the_home_folder(model_file, tmp_path):

@@ -229,6 +229,7 @@ def test_serve_py_help_shows_its_run_commands_and_each_flags_default(monkeypatch
     defaults = {'--' + name.replace('_', '-'): value for name, value in vars(serve.parse_args()).items()}
     _, stdout, _ = run([sys.executable, ROOT / 'serve.py', '--help'])
     assert serve.__doc__.strip() in stdout  # the run commands as written, line for line
+    assert '--predict FILE [FILE ...]' in stdout  # as the table and the docstring name its values
     helps = {}
     for entry in re.split(r'\n(?=  -)', re.split(r'\n(?:options|optional arguments):\n', stdout)[1]):
         parts = re.split(r'\s{2,}', entry.strip(), maxsplit=1)  # the option strings, then the help text

@@ -384,7 +384,7 @@ def test_the_default_workers_are_the_usable_cpus_and_one_on_windows(monkeypatch)
 @pytest.mark.parametrize('flag, value, kind', [
     ('--workers', '0', 'int'), ('--threads', '0', 'int'), ('--timeout', '0', 'float'), ('--deadline', '-1', 'float'),
     ('--worker-timeout', '1.5', 'int'), ('--grace', 'soon', 'float')])
-def test_a_flag_value_out_of_range_is_named_before_anything_starts(monkeypatch, capsys, flag, value, kind):
+def test_a_flag_value_that_is_no_positive_number_is_named(monkeypatch, capsys, flag, value, kind):
     import serve
     monkeypatch.setattr(sys, 'argv', ['serve.py', flag, value])
     with pytest.raises(SystemExit) as stop:

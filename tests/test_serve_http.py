@@ -881,7 +881,7 @@ def test_ipv6_and_a_hostname(model_file, host, address, url_host, as_on_windows)
         socket.socket(socket.AF_INET6 if ':' in address else socket.AF_INET).bind((address, 0))
     except OSError:
         pytest.skip(f'no {address} loopback here')
-    proc, reader, port = serve(model_file, '--host', host, as_on_windows=as_on_windows)
+    _, reader, port = serve(model_file, '--host', host, as_on_windows=as_on_windows)
     assert reader.lines[-1].startswith(f'Serving {model_file} on http://{url_host}:{port} ')
     connection = http.client.HTTPConnection(address, port, timeout=30)
     connection.request('GET', '/health')

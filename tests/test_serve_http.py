@@ -50,6 +50,8 @@ def no_server_left():
     while STARTED:
         proc = STARTED.pop()
         if proc.poll() is None:
+            if hasattr(signal, 'SIGSTOP'):  # the master stopped first: it forks no replacement for a worker killed
+                os.kill(proc.pid, signal.SIGSTOP)
             for pid in workers_of(proc):  # a worker outlives a killed master (and a stopped one waits for ever)
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)

@@ -206,11 +206,16 @@ def test_serving_docs_list_every_status_and_every_reply_that_closes_the_connecti
     assert 'the server is busy reading other requests' in (ROOT / 'serve.py').read_text()  # the 503 quoted there
 
 
-def test_the_serving_flags_table_names_each_flag_of_serve_py_with_its_default(monkeypatch):
-    import common
+def serve_defaults(monkeypatch):
+    """{flag: default} of serve.py's parser."""
     import serve
     monkeypatch.setattr(sys, 'argv', ['serve.py'])
-    defaults = {'--' + name.replace('_', '-'): value for name, value in vars(serve.parse_args()).items()}
+    return {'--' + name.replace('_', '-'): value for name, value in vars(serve.parse_args()).items()}
+
+
+def test_the_serving_flags_table_names_each_flag_of_serve_py_with_its_default(monkeypatch):
+    import common
+    defaults = serve_defaults(monkeypatch)
     table = (ROOT / 'docs' / 'serving.md').read_text().split('| flag | default | meaning |')[1].split('\n\n')[0]
     documented = {}
     for flags, values in re.findall(r'^\| (`--[^|]*`) \|([^|]*)\|', table, re.M):  # `--host`, `--port` | `h`, `p`
@@ -225,8 +230,7 @@ def test_the_serving_flags_table_names_each_flag_of_serve_py_with_its_default(mo
 
 def test_serve_py_help_shows_its_run_commands_and_each_flags_default(monkeypatch):
     import serve
-    monkeypatch.setattr(sys, 'argv', ['serve.py'])
-    defaults = {'--' + name.replace('_', '-'): value for name, value in vars(serve.parse_args()).items()}
+    defaults = serve_defaults(monkeypatch)
     _, stdout, _ = run([sys.executable, ROOT / 'serve.py', '--help'])
     assert serve.__doc__.strip() in stdout  # the run commands as written, line for line
     assert '--predict FILE [FILE ...]' in stdout  # as the table and the docstring name its values

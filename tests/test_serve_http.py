@@ -22,7 +22,7 @@ import torch
 from PIL import Image, ImageDraw
 
 import framing
-from conftest import ROOT, SIGHUP, free_port, run, script_env, skip_without_sighup, start
+from conftest import ROOT, SIGHUP, free_port, run, script_env, serving, skip_without_sighup, start
 
 SERVE = ROOT / 'serve.py'
 
@@ -35,10 +35,10 @@ AS_ON_WINDOWS = ('import multiprocessing.sharedctypes, runpy, sys, torch, uvicor
                  'sys.argv[0] = sys.argv[1]; del sys.argv[1]; runpy.run_path(sys.argv[0], run_name="__main__")')
 
 
-def serve(model_file, *flags, as_on_windows=False):
+def serve(model_file, *flags, as_on_windows=False, env=None):
     port = free_port()
     launcher = [sys.executable, '-c', AS_ON_WINDOWS] if as_on_windows else [sys.executable]
-    proc, reader = start([*launcher, SERVE, '--model', model_file, '--port', str(port), *flags])
+    proc, reader = start([*launcher, SERVE, '--model', model_file, '--port', str(port), *flags], env=env)
     STARTED.append(proc)
     reader.wait_for(lambda line: line.startswith('Serving'), timeout=60)
     return proc, reader, port
@@ -86,11 +86,9 @@ def answering(port, count):
 
 @pytest.fixture(scope='module')
 def server(model_file):
-    proc, reader, port = serve(model_file, '--timeout', '2')
-    STARTED.remove(proc)  # the module's own: stopped below, after its last test
-    yield port, proc, reader
-    proc.terminate()
-    proc.wait(timeout=30)
+    port = free_port()
+    with serving([sys.executable, SERVE, '--model', model_file, '--port', str(port), '--timeout', '2']) as started:
+        yield port, *started
 
 
 def png(seed=0, size=28):
@@ -677,9 +675,7 @@ def test_it_leaves_nothing_in_the_home_folder(model_file, tmp_path):
     it off."""
     env = script_env(HOME=str(tmp_path))
     env.pop('XDG_RUNTIME_DIR', None)
-    proc, reader = start([sys.executable, SERVE, '--model', model_file, '--port', str(free_port())], env=env)
-    STARTED.append(proc)
-    reader.wait_for(lambda line: line.startswith('Serving'), timeout=60)
+    proc, _, _ = serve(model_file, env=env)
     proc.terminate()
     assert proc.wait(timeout=30) == 0
     assert list(tmp_path.iterdir()) == []

@@ -217,12 +217,12 @@ class App:
         self.waiting += 1
         try:
             done, _ = await asyncio.wait({work, gone}, timeout=self.args.deadline, return_when=asyncio.FIRST_COMPLETED)
-        finally:
+        finally:  # answered, or not: past the deadline, the client gone, or cancelled by a stop
             self.waiting -= 1
             gone.cancel()
+            dropped.set()  # a job still running stops at its next image
         if work in done:
             return work.result()
-        dropped.set()
         queued = job.cancel()  # a job not begun is never run; one begun stops at its next image
         work.add_done_callback(lambda future: future.cancelled() or future.exception())  # its end goes unread
         if gone in done:
@@ -293,7 +293,7 @@ class Master(Arbiter):
         self.app.stopping.value = 1
         with contextlib.suppress(OSError):  # no terminal to print on any more (SIGHUP)
             print(f'Stopping on {name}: accepting no new connections, answering the requests in progress '
-                  f'({sum(self.app.application.counts)}) within {self.cfg.graceful_timeout:g}s.', flush=True)
+                  f'({sum(self.app.application.counts)}) within {self.app.application.args.grace:g}s.', flush=True)
         raise StopIteration  # Gunicorn's graceful stop
 
     def handle_int(self):
@@ -331,11 +331,13 @@ def serve(model, args):
     # library; the request is answered over HTTP/1.1, as it should be: nothing to act on
     logging.getLogger('uvicorn.error').addFilter(
         lambda record: not record.getMessage().startswith(('Unsupported upgrade', 'No supported WebSocket')))
+    # uvicorn's settings, under Gunicorn and alone: past --grace a stop cancels what is in progress (answered 503)
+    Worker.CONFIG_KWARGS = {**Worker.CONFIG_KWARGS, 'timeout_graceful_shutdown': args.grace}
     workers = 1 if sys.platform == 'win32' else args.workers  # on Windows one process, whatever --workers says
     app = App(model, args, workers)
     if sys.platform == 'win32':
-        config = uvicorn.Config(app, host=args.host, port=args.port, timeout_keep_alive=60,
-                                timeout_graceful_shutdown=args.grace, log_level='warning', **Worker.CONFIG_KWARGS)
+        config = uvicorn.Config(app, host=args.host, port=args.port, timeout_keep_alive=60, log_level='warning',
+                                **Worker.CONFIG_KWARGS)
         server = uvicorn.Server(config)
         sock = config.bind_socket()
         sock.listen(2048)  # connections wait from now on, not from when uvicorn's loop starts
@@ -349,19 +351,24 @@ def serve(model, args):
         worker.slot = app.slot = next(k for k in range(len(app.counts)) if k not in taken)  # app.slot: the fork's copy
         app.counts[worker.slot] = app.held[worker.slot] = 0
 
+    def end_worker(signum, frame):
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGQUIT})  # a second Ctrl-C's quick stop: ending already
+        sys.exit(0)  # asyncio's clean-up first lets the requests cancelled by the stop send their 503
+
     def post_worker_init(worker):
         # uvicorn raises its stop signal again once it has stopped: the worker ends there with exit 0, not killed by it
         # (which Gunicorn logs as an error or a warning); so does a stop before uvicorn's handlers, no request taken yet
         for stop in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(stop, lambda signum, frame: os._exit(0))
+            signal.signal(stop, end_worker)
         signal.signal(signal.SIGHUP, signal.SIG_IGN)  # a closed terminal: the master stops the workers as on SIGTERM
         # A stop signalled before this worker's own handlers reached the master's, copied by the fork, and was lost
         # (gunicorn#1910): the stop would wait --grace for this worker. Checked after the handlers above: none slips by.
         if worker.app.stopping.value:
             sys.exit(0)
 
+    # graceful_timeout: a worker not ended a second after uvicorn's --grace (a stuck event loop) is killed
     options = {'bind': [bind], 'workers': args.workers, 'worker_class': Worker, 'preload_app': True,
-               'timeout': args.worker_timeout, 'graceful_timeout': math.ceil(args.grace), 'keepalive': 60,
+               'timeout': args.worker_timeout, 'graceful_timeout': math.ceil(args.grace) + 1, 'keepalive': 60,
                'backlog': 2048, 'loglevel': 'warning', 'control_socket_disable': True, 'pre_fork': pre_fork,
                'worker_tmp_dir': '/dev/shm' if os.path.isdir('/dev/shm') else None,  # heartbeats in memory
                'post_worker_init': post_worker_init,

@@ -471,6 +471,19 @@ def test_past_the_deadline_a_request_gets_503_or_504_and_its_work_is_dropped(mod
 
 
 @pytest.mark.one_leg
+def test_a_request_of_several_images_past_its_deadline_frees_the_thread_at_its_next_image(model_file):
+    """16 of the largest images (0.2 s each) take the one prediction thread for some 3 s; past the 1 s deadline the
+    request gets 504 and its work stops at the next image, so a request after it that needs the thread is answered
+    within its own deadline (kept going, the work would hold the thread for 2 s more: 503)."""
+    proc, reader, port = serve(model_file, '--workers', '1', '--threads', '1', '--deadline', '1')
+    busy = json.dumps({'images': [base64.b64encode(largest_png()).decode()] * 16})
+    status, _, reply = post_refusable(port, busy)
+    assert (status, reply) == (504, {'error': 'the image(s) were not read within 1s; try again, or send smaller '
+                                              'images'})
+    assert post_refusable(port, png(3, size=29))[0] == 200  # 29x29: too large to be read on the event loop
+
+
+@pytest.mark.one_leg
 def test_past_256_requests_waiting_for_the_prediction_thread_a_request_gets_503_at_once(model_file):
     """Two requests of 16 of the largest images keep the one thread busy for seconds (0.2 s an image); meanwhile
     300 requests that need the thread (29x29: too large to be read on the event loop) arrive, in well under one.

@@ -223,7 +223,7 @@ class App:
             dropped.set()  # a job still running stops at its next image
         if work in done:
             return work.result()
-        queued = job.cancel()  # a job not begun is never run; one begun stops at its next image
+        queued = job.cancel()  # a job not begun is never run (one begun stops at its next image: above)
         work.add_done_callback(lambda future: future.cancelled() or future.exception())  # its end goes unread
         if gone in done:
             raise ConnectionResetError

@@ -55,8 +55,9 @@ def check_device(name):
     except RuntimeError:
         raise SetupError(f'--device {name} is not a device; pass cpu, cuda, cuda:N or mps.') from None
     if device.type == 'cuda' and (device.index or 0) >= torch.cuda.device_count():
-        raise SetupError(f'--device {name} was asked for, but this machine has {torch.cuda.device_count()} CUDA '
-                         f'GPUs; pass --device cpu or run on a GPU node (distributed: one process per GPU, '
+        gpus = torch.cuda.device_count()
+        raise SetupError(f'--device {name} was asked for, but this machine has {gpus} CUDA GPU{"s" * (gpus != 1)}; '
+                         f'pass --device cpu or run on a GPU node (distributed: one process per GPU, '
                          f'so --nproc_per_node at most the number of GPUs).')
     if device.type != 'cpu':
         try:

@@ -42,13 +42,14 @@ def test_check_device_refuses_a_name_that_is_no_device():
     assert str(error.value) == '--device gpu0 is not a device; pass cpu, cuda, cuda:N or mps.'
 
 
-@pytest.mark.parametrize('name, count', [('cuda', 0), ('cuda:1', 1), ('cuda:2', 2)])
-def test_check_device_counts_the_gpus(name, count, monkeypatch):
+@pytest.mark.parametrize('name, count, gpus', [('cuda', 0, '0 CUDA GPUs'), ('cuda:1', 1, '1 CUDA GPU'),
+                                               ('cuda:2', 2, '2 CUDA GPUs')])
+def test_check_device_counts_the_gpus(name, count, gpus, monkeypatch):
     monkeypatch.setattr(torch.cuda, 'device_count', lambda: count)
     with pytest.raises(common.SetupError) as error:
         common.check_device(name)
     assert str(error.value) == (
-        f'--device {name} was asked for, but this machine has {count} CUDA GPUs; pass --device cpu or run on a '
+        f'--device {name} was asked for, but this machine has {gpus}; pass --device cpu or run on a '
         f'GPU node (distributed: one process per GPU, so --nproc_per_node at most the number of GPUs).')
 
 

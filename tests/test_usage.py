@@ -1,4 +1,5 @@
-"""What a newcomer meets first: --help, a script uploaded without common.py, run_local.sh's flags and installs."""
+"""What a newcomer meets first: --help, a script uploaded without common.py or a package it needs, run_local.sh's
+flags and installs."""
 import os
 import re
 import shutil
@@ -24,14 +25,32 @@ def test_help_shows_the_dlc_start_command_and_the_output(script, start_command):
 
 
 @pytest.mark.one_leg  # torch-independent: the import's error
-@pytest.mark.parametrize('script', ['mnist_train.py', 'mnist_train_distributed.py'])
-def test_a_script_uploaded_without_common_py_says_so_in_one_line(script, tmp_path):
-    shutil.copy(ROOT / script, tmp_path / script)
+@pytest.mark.parametrize('script, beside, missing', [
+    ('mnist_train.py', [], 'common.py'), ('mnist_train_distributed.py', [], 'common.py'),
+    ('serve.py', [], 'common.py'), ('serve.py', ['common.py'], 'framing.py'),
+])
+def test_a_script_uploaded_without_a_module_it_imports_says_so_in_one_line(script, beside, missing, tmp_path):
+    for name in (script, *beside):
+        shutil.copy(ROOT / name, tmp_path / name)
     returncode, stdout, stderr = run([sys.executable, tmp_path / script], check=False,
                                      env=script_env(PYTHONPATH=''))
     assert returncode == 1, stderr
-    assert stderr == f'error: common.py is missing: upload it beside {tmp_path / script} (on DLC, to the same ' \
+    assert stderr == f'error: {missing} is missing: upload it beside {tmp_path / script} (on DLC, to the same ' \
                      f'folder of the dataset as the script).\n'
+
+
+@pytest.mark.one_leg  # the same in both legs
+@pytest.mark.parametrize('package', ['torch', 'uvicorn', 'gunicorn', 'uvicorn_worker'])
+def test_serve_py_without_a_package_it_needs_says_what_to_install(package, tmp_path):
+    """As on an image without the serving packages (the EAS run command's pip install left out)."""
+    (tmp_path / package).mkdir()  # found first on the path: a package that is not installed
+    (tmp_path / package / '__init__.py').write_text(
+        f'raise ModuleNotFoundError("No module named {package!r}", name={package!r})\n')
+    returncode, _, stderr = run([sys.executable, ROOT / 'serve.py', '--help'], check=False,
+                                env=script_env(PYTHONPATH=str(tmp_path)))
+    assert returncode == 1, stderr
+    assert stderr == f'error: serve.py needs {package}: pip install -r {ROOT / "requirements-serve.txt"} ' \
+                     f'(./run_local.sh serve installs it).\n'
 
 
 @pytest.mark.one_leg

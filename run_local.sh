@@ -127,8 +127,9 @@ bench-digits)
     ;;
 bench-serve)
     shift
-    venv "${VENV:-.venv}" -r requirements.txt -r requirements-serve.txt
-    # Side by side with the serve.py before framing.py and its worker processes, where git has it.
+    # Side by side with the serve.py before framing.py and its worker processes, where git has it: it parses HTTP
+    # with httptools, no longer among serve.py's packages.
+    venv "${VENV:-.venv}" -r requirements.txt -r requirements-serve.txt httptools
     baseline=()
     if git rev-parse --quiet --verify 390c706^{commit} > /dev/null 2>&1; then baseline=(--baseline 390c706); fi
     exec "$PY" tests/bench_serve.py ${baseline[@]+"${baseline[@]}"} "$@"

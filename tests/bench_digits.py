@@ -171,7 +171,7 @@ def main():
     print(f'{"kind":12s} ' + ' '.join(f'{name:>12s}' for name in scripts))
     results = {}
     for name, script in scripts.items():
-        log = open(os.path.join(tempfile.gettempdir(), 'bench_digits_server.log'), 'w')  # its errors, if any
+        log = open(os.path.join(tempfile.gettempdir(), 'bench_digits_server.log'), 'w+b')  # its errors, if any
         server = Server(script, args.model, stderr=log)
         try:
             with concurrent.futures.ThreadPoolExecutor(4) as pool:

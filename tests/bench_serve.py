@@ -155,14 +155,19 @@ def baseline_serve(rev):
 class Server:
     """serve.py (or another revision's) started on a free port, ready."""
 
-    def __init__(self, script, model_path, stderr=subprocess.DEVNULL):
+    def __init__(self, script, model_path, stderr=None, workers=None):
         with socket.socket() as s:
             s.bind(('127.0.0.1', 0))
             self.port = s.getsockname()[1]
-        self.proc = subprocess.Popen([sys.executable, script, '--model', model_path, '--port', str(self.port)],
-                                     stdout=subprocess.PIPE, stderr=stderr, text=True,
+        flags = ['--workers', str(workers)] if workers else []  # else serve.py's default: the usable CPUs
+        log = stderr or tempfile.TemporaryFile()  # its log; read here only if it does not start
+        self.proc = subprocess.Popen([sys.executable, script, '--model', model_path, '--port', str(self.port), *flags],
+                                     stdout=subprocess.PIPE, stderr=log, text=True,
                                      env=dict(os.environ, PYTHONPATH=ROOT))
-        assert self.proc.stdout.readline().startswith('Serving'), f'{script} did not start'
+        if not self.proc.stdout.readline().startswith('Serving'):
+            self.proc.wait()
+            log.seek(0)
+            sys.exit(f'{script} did not start: {log.read().decode(errors="replace").strip() or "it said nothing"}')
 
     def close(self):
         self.proc.terminate()
@@ -246,17 +251,23 @@ def main():
     parser.add_argument('--clients', type=int, default=4, help='concurrent clients in the second part (default: 4)')
     parser.add_argument('--baseline', metavar='REV', help='also measure the serve.py of this git revision')
     parser.add_argument('--rounds', type=int, default=2, help='rounds, alternating servers (default: 2)')
+    parser.add_argument('--workers', type=int, help="serve.py's --workers, and the baseline's where it has the flag "
+                                                    "(default: their own)")
     args = parser.parse_args()
     model_path = model_or_fresh(args.model)
     scripts = {'serve.py': os.path.join(ROOT, 'serve.py')}
     if args.baseline:
         scripts[f'serve.py at {args.baseline}'] = baseline_serve(args.baseline)
     bodies, big, kinds = pngs(args.data_dir, 100), largest_images(), slow_kinds()
-    print(f'{os.cpu_count()} CPU cores, torch {torch.__version__}, {len(bodies[0])}-byte 28x28 PNGs; largest images: '
-          f'{len(big[0]) // 1000} KB 4096x4096 RGBA PNG, {len(big[1]) // 1000} KB 16384x16384 JPEG', flush=True)
+    chosen = f'--workers {args.workers}' if args.workers else 'its default --workers'
+    print(f'{os.cpu_count()} CPU cores, serve.py {chosen}, torch {torch.__version__}, {len(bodies[0])}-byte 28x28 '
+          f'PNGs; largest images: {len(big[0]) // 1000} KB 4096x4096 RGBA PNG, {len(big[1]) // 1000} KB 16384x16384 '
+          f'JPEG', flush=True)
     for round in range(args.rounds):
         for name, script in scripts.items():
-            server = Server(script, model_path)
+            with open(script) as source:  # a baseline without the flag (390c706: one process) runs as it was
+                takes_workers = "'--workers'" in source.read()
+            server = Server(script, model_path, workers=args.workers if takes_workers else None)
             try:
                 f = measure(server, bodies, big, kinds, args)
             finally:

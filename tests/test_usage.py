@@ -86,8 +86,9 @@ def test_the_benchmarks_run_print_their_figures_and_leave_no_temporary_files(mni
                        env=env)
     assert re.search(r'^ours / document +\d+\.\d{3} ', stdout, re.M) and 'peak RSS' in stdout
     _, stdout, _ = run([sys.executable, ROOT / 'tests' / 'bench_serve.py', '--data-dir', mnist_dir,
-                        '--requests', '40', '--rounds', '1'], env=env)
+                        '--requests', '40', '--rounds', '1', '--workers', '1'], env=env)
     assert re.search(r'latency p50 \d+\.\d\d ms', stdout) and re.search(r'\d+ requests/s', stdout)
+    assert 'serve.py --workers 1,' in stdout
     assert left_in(tmp_path) == []  # the TensorBoard events timed, the freshly initialised model served: removed
 
 
@@ -111,11 +112,12 @@ NEEDS = {  # what each command must find installed in its environment, whatever 
     'serve': ['-r requirements.txt -r requirements-serve.txt'],
     'test': ['-r requirements-test.txt'],
     'bench': ['-r requirements.txt'],
+    'bench-serve': ['-r requirements.txt -r requirements-serve.txt httptools'],  # httptools: the baseline's parser
 }
 
 
 @pytest.mark.parametrize('order', [('run', 'serve', 'test'), ('test', 'serve', 'run'), ('serve', 'run', 'bench'),
-                                   ('run', 'run', 'serve', 'serve')])
+                                   ('run', 'run', 'serve', 'serve'), ('serve', 'bench-serve', 'test')])
 def test_each_run_local_command_installs_what_it_needs_whatever_ran_before(order, tmp_path):
     fake = tmp_path / 'python3'
     fake.write_text(FAKE_PYTHON)
@@ -130,7 +132,7 @@ def test_each_run_local_command_installs_what_it_needs_whatever_ran_before(order
         assert all(need in installed + installs for need in NEEDS[command]), (command, installed, installs)
         assert not set(installs) & set(installed), f'{command} installed a set again: {installs}'
         installed += installs
-        assert any(line.startswith(('mnist_train', 'serve.py', '-m pytest', 'tests/benchmark.py'))
+        assert any(line.startswith(('mnist_train', 'serve.py', '-m pytest', 'tests/benchmark.py', 'tests/bench_serve'))
                    for line in calls.read_text().splitlines()), f'{command} ran nothing'
 
 

@@ -122,7 +122,7 @@ mutants)
     ;;
 bench-digits)
     shift
-    venv "${VENV:-.venv}" -r requirements.txt -r requirements-serve.txt
+    venv "${VENV:-.venv}" -r requirements.txt -r requirements-serve.txt httptools  # as bench-serve: --baseline 390c706
     exec "$PY" tests/bench_digits.py "$@"
     ;;
 bench-serve)

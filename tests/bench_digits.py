@@ -31,7 +31,7 @@ import tempfile
 import numpy as np
 from PIL import Image, ImageDraw, ImageFilter, ImageOps
 
-from bench_serve import ROOT, Server, baseline_serve  # beside this file
+from bench_serve import ROOT, Server, baseline_serve, check_mnist  # beside this file
 
 
 def encode(image, fmt='PNG', **options):
@@ -151,6 +151,7 @@ def main():
     parser.add_argument('--save', metavar='DIR', help='also write the first digit of each kind there, to look at')
     args = parser.parse_args()
     from torchvision import datasets
+    check_mnist(args.data_dir)
     test_set = datasets.MNIST(root=args.data_dir, train=False)
     rng = random.Random(0)
     phone = any(kind.startswith('phone') for kind in args.kinds or [])

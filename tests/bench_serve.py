@@ -37,9 +37,19 @@ sys.path.insert(0, ROOT)
 import common  # noqa: E402
 
 
+def check_mnist(data_dir):
+    """MNIST's four files in data_dir/MNIST/raw as the training scripts get them (extracted from the .gz files there,
+    or downloaded), or exit with their one-paragraph error."""
+    try:
+        common.prepare_mnist(data_dir)
+    except common.SetupError as e:
+        sys.exit(f'error: {e}')
+
+
 def pngs(data_dir, count):
     if data_dir:
         from torchvision import datasets
+        check_mnist(data_dir)
         images = datasets.MNIST(root=data_dir, train=False).data[:count].numpy()
     else:
         images = np.random.default_rng(0).integers(0, 256, (count, 28, 28), dtype=np.uint8)
@@ -161,9 +171,10 @@ class Server:
             self.port = s.getsockname()[1]
         flags = ['--workers', str(workers)] if workers else []  # else serve.py's default: the usable CPUs
         log = stderr or tempfile.TemporaryFile()  # its log; read here only if it does not start
+        path = os.pathsep.join(filter(None, [ROOT, os.environ.get('PYTHONPATH')]))  # where its packages are too
         self.proc = subprocess.Popen([sys.executable, script, '--model', model_path, '--port', str(self.port), *flags],
                                      stdout=subprocess.PIPE, stderr=log, text=True,
-                                     env=dict(os.environ, PYTHONPATH=ROOT))
+                                     env=dict(os.environ, PYTHONPATH=path))
         if not self.proc.stdout.readline().startswith('Serving'):
             self.proc.wait()
             log.seek(0)

@@ -29,7 +29,7 @@ from torchvision import datasets, transforms
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import common  # noqa: E402
 import mnist_train  # noqa: E402
-from bench_serve import scratch_folder  # beside this file: removed when the benchmark ends
+from bench_serve import check_mnist, scratch_folder  # beside this file; a scratch folder: removed when it ends
 
 
 def sync(device):
@@ -74,6 +74,7 @@ def main():
 
     # The document's pipeline and its model, as it writes them (NCHW).
     transform = transforms.Compose([transforms.ToTensor(), transforms.Normalize((0.5,), (0.5,))])
+    check_mnist(args.data_dir)
     doc_train = datasets.MNIST(root=args.data_dir, train=True, download=False, transform=transform)
     doc_val = datasets.MNIST(root=args.data_dir, train=False, download=False, transform=transform)
     doc_train_loader = DataLoader(doc_train, batch_size=64, shuffle=True)

@@ -46,7 +46,9 @@ def main():
             stroke(browser, points)
         WebDriverWait(browser, 20).until(lambda b: b.find_element('id', 'seen').is_displayed())
         time.sleep(0.5)  # the last stroke's answer
-        browser.save_screenshot(args.out)
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        if not browser.save_screenshot(args.out):  # selenium only warns
+            sys.exit(f'error: could not write {args.out}')
         print(f'{args.out}: the page answering "{browser.find_element("id", "status").text}"')
     finally:
         browser.quit()

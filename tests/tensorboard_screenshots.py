@@ -27,6 +27,7 @@ def main():
     parser.add_argument('--out', default=os.path.join(ROOT, 'docs'), help='where the PNGs go (default: docs/)')
     parser.add_argument('--wait', type=float, default=8, help='seconds to let each tab draw (default: 8)')
     args = parser.parse_args()
+    os.makedirs(args.out, exist_ok=True)
     with socket.socket() as s:
         s.bind(('127.0.0.1', 0))
         port = s.getsockname()[1]
@@ -45,7 +46,8 @@ def main():
             browser.get(f'http://127.0.0.1:{port}/#{tab}')
             time.sleep(args.wait)
             path = os.path.join(args.out, f'tensorboard-{tab.replace("_", "-")}.png')
-            browser.save_screenshot(path)
+            if not browser.save_screenshot(path):  # selenium only warns
+                sys.exit(f'error: could not write {path}')
             print(path)
     finally:
         browser.quit()

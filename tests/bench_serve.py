@@ -175,10 +175,13 @@ class Server:
         self.proc = subprocess.Popen([sys.executable, script, '--model', model_path, '--port', str(self.port), *flags],
                                      stdout=subprocess.PIPE, stderr=log, text=True,
                                      env=dict(os.environ, PYTHONPATH=path))
-        if not self.proc.stdout.readline().startswith('Serving'):
+        line = self.proc.stdout.readline()
+        if not line.startswith('Serving'):
+            self.proc.kill()  # ended already, or saying something else
             self.proc.wait()
             log.seek(0)
-            sys.exit(f'{script} did not start: {log.read().decode(errors="replace").strip() or "it said nothing"}')
+            said = (line + log.read().decode(errors='replace')).strip()
+            sys.exit(f'{script} did not start: {said or "it said nothing"}')
 
     def close(self):
         self.proc.terminate()

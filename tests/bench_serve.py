@@ -182,6 +182,7 @@ class Server:
             log.seek(0)
             said = (line + log.read().decode(errors='replace')).strip()
             sys.exit(f'{script} did not start: {said or "it said nothing"}')
+        self.serving = line.strip()  # its Serving line: the worker processes it runs
 
     def close(self):
         self.proc.terminate()
@@ -287,6 +288,7 @@ def main():
             finally:
                 server.close()
             print(f'round {round + 1}, {name}:\n'
+                  f'  {server.serving}\n'
                   f'  idle:        {f["idle"] / 2**20:.0f} MiB (PSS)\n'
                   f'  one client:  {args.requests} requests, latency p50 {f["p50"] * 1000:.2f} ms, p99 '
                   f'{f["p99"] * 1000:.2f} ms\n'

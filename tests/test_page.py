@@ -17,7 +17,7 @@ import torch
 from PIL import Image, ImageDraw
 
 import common
-from conftest import ROOT, free_port, serving
+from conftest import ROOT, free_port, run, serving
 
 pytestmark = pytest.mark.one_leg  # a browser and a model trained here: about 40 s, the same on either torch
 webdriver = pytest.importorskip('selenium.webdriver', reason='selenium is not installed (requirements-test.txt)')
@@ -191,3 +191,11 @@ def test_the_page_needs_nothing_from_outside(page):
     assert 'http://' not in html.replace('http://127', '') and 'https://' not in html and '//cdn' not in html
     assert page.execute_script(
         "return performance.getEntriesByType('resource').filter(r => !r.name.startsWith(location.origin)).length") == 0
+
+
+def test_the_screenshot_tool_writes_its_png_into_a_folder_it_makes(model_file, tmp_path):
+    """tests/page_screenshot.py, which makes docs/page.png: selenium only warns of a PNG it cannot write (a folder
+    that is not there), and the tool named the PNG all the same."""
+    out = tmp_path / 'new' / 'page.png'
+    _, stdout, _ = run([sys.executable, ROOT / 'tests' / 'page_screenshot.py', '--model', model_file, '--out', out])
+    assert out.read_bytes().startswith(b'\x89PNG') and stdout.startswith(f'{out}: the page answering "It looks like')

@@ -94,8 +94,23 @@ def test_the_benchmarks_run_print_their_figures_and_leave_no_temporary_files(mni
     _, stdout, _ = run([sys.executable, ROOT / 'tests' / 'bench_serve.py', '--data-dir', tmp_path / 'gz',
                         '--requests', '40', '--rounds', '1', '--workers', '1'], env=env)
     assert re.search(r'latency p50 \d+\.\d\d ms', stdout) and re.search(r'\d+ requests/s', stdout)
-    assert 'serve.py --workers 1,' in stdout
+    assert 'serve.py --workers 1,' in stdout and ' with 1 worker process: ' in stdout  # the flag passed on
     assert left_in(scratch) == []  # the TensorBoard events timed, the freshly initialised model served: removed
+
+
+@pytest.mark.one_leg
+def test_a_benchmark_server_that_does_not_start_says_why(tmp_path, monkeypatch):
+    """bench_serve.py's servers (a baseline revision's serve.py among them) keep the caller's PYTHONPATH, and one
+    that does not start ends the benchmark with what it said (it once failed with a bare AssertionError)."""
+    from bench_serve import Server
+    (tmp_path / 'site').mkdir()
+    (tmp_path / 'site' / 'found_on_the_path.py').write_text('')
+    script = tmp_path / 'serve.py'
+    script.write_text('import sys\nimport found_on_the_path\nsys.exit("error: serve.py needs httptools")\n')
+    monkeypatch.setenv('PYTHONPATH', str(tmp_path / 'site'))
+    with pytest.raises(SystemExit) as stop:
+        Server(str(script), 'model.pth')
+    assert str(stop.value) == f'{script} did not start: error: serve.py needs httptools'
 
 
 # A stand-in for python3 and for the environment's python: it writes each command line it is given to $CALLS,

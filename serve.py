@@ -378,7 +378,8 @@ def serve(model, args):
                'backlog': 2048, 'loglevel': 'warning', 'control_socket_disable': True, 'pre_fork': pre_fork,
                'worker_tmp_dir': '/dev/shm' if os.path.isdir('/dev/shm') else None,  # heartbeats in memory
                'post_worker_init': post_worker_init,
-               'proc_name': 'serve.py',  # with setproctitle installed, titled gunicorn: master [serve.py]
+               # with setproctitle installed, titled gunicorn: master [serve.py --port 8000 ...]: pkill -f finds it
+               'proc_name': ' '.join(['serve.py', *sys.argv[1:]]),
                'when_ready': lambda arbiter: print(serving_line(
                    args.model, arbiter.LISTENERS[0].sock.getsockname(), args.workers), flush=True)}
     Master(Service(app, options)).run()

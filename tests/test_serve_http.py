@@ -679,8 +679,8 @@ def test_its_processes_are_found_by_name(model_file):
     proc, _, port = serve(model_file, '--workers', '2')
     for pid in (proc.pid, *answering(port, 2)):
         with open(f'/proc/{pid}/cmdline', 'rb') as f:
-            title = f.read()
-        assert b'serve.py' in title, (pid, proc.pid, title)
+            title = f.read().replace(b'\0', b' ')
+        assert re.search(rb'serve\.py .*--port %d\b' % port, title), (pid, proc.pid, title)  # its flags kept
 
 
 def test_it_leaves_nothing_in_the_home_folder(model_file, tmp_path):

@@ -302,12 +302,14 @@ def predict(model, batch):
 
 def images_in(body, content_type):
     """The image files a request body carries, in any of the accepted forms, and whether several were asked for."""
-    if content_type.split(';')[0].strip().lower() == 'multipart/form-data':
+    declared = content_type.split(';')[0].strip().lower()
+    if declared == 'multipart/form-data':
         files = form_files(body, content_type)
         if not files:
             raise Refused(400, f'the form holds no file; {FORMS}')
         return files, len(files) > 1
-    if body.lstrip()[:1] == b'{':  # JSON, whatever its Content-Type (curl -d says form-urlencoded)
+    # JSON as declared, or by its first character whatever its Content-Type (curl -d says form-urlencoded)
+    if declared == 'application/json' or body.lstrip()[:1] in (b'{', b'['):
         try:
             fields = json.loads(body)
             images = fields['images'] if 'images' in fields else [fields['image']]

@@ -24,6 +24,7 @@ import binascii
 import io
 import json
 import math
+import os
 import re
 
 import torch
@@ -264,6 +265,10 @@ FORMS = ('send the image file as the body (curl --data-binary @digit.png), as a 
 def load_model(path):
     """The trained SimpleCNN in eval mode, or SetupError: weights only, no arbitrary objects unpickled."""
     advice = 'pass --model with a best_model.pth written by mnist_train.py or mnist_train_distributed.py'
+    if os.path.isdir(path):  # the training's --output-dir, say
+        inside = os.path.join(path, 'best_model.pth')
+        raise common.SetupError(f'{path} is a folder: pass --model {inside}.' if os.path.isfile(inside) else
+                                f'{path} is a folder, with no best_model.pth in it; {advice}.')
     try:
         state = torch.load(path, map_location='cpu', weights_only=True)
     except FileNotFoundError:

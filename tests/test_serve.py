@@ -181,13 +181,17 @@ def test_predict_into_a_closed_pipe_ends_quietly(model_file):
     (None, 'there is no model at'),
     (b'not a model', 'it is not a file of model weights'),
     ('linear', 'it holds the weights of another model'),
+    ('folder', '{folder} is a folder, with no best_model.pth in it; pass --model with a best_model.pth'),
+    ('output folder', '{folder} is a folder: pass --model {folder}/best_model.pth.'),  # the training's --output-dir
 ])
 def test_a_missing_or_wrong_model_stops_at_start_up(content, message, tmp_path):
     path = tmp_path / 'best_model.pth'
-    if content == 'linear':
-        torch.save(torch.nn.Linear(2, 2).state_dict(), path)
-    elif content is not None:
+    if content == 'linear' or content == 'output folder':
+        torch.save((torch.nn.Linear(2, 2) if content == 'linear' else common.SimpleCNN()).state_dict(), path)
+    elif isinstance(content, bytes):
         path.write_bytes(content)
+    if content in ('folder', 'output folder'):
+        path, message = tmp_path, message.format(folder=tmp_path)
     returncode, stdout, stderr = run([sys.executable, SERVE, '--model', path, '--port', str(free_port())],
                                      check=False, timeout=60)
     assert returncode == 1 and 'Traceback' not in stderr and 'Serving' not in stdout

@@ -33,6 +33,12 @@ cd "$(dirname "$0")"
 # there (serve after a first training run, say) installs it, whatever ran before.
 venv() {
     local folder=$1; shift
+    case "$(uname -s)" in
+    MINGW* | MSYS* | CYGWIN*)  # Git Bash and the like: Windows' Python makes Scripts\python.exe, not bin/python
+        echo "run_local.sh: it runs on Linux and macOS, and on Windows under WSL; elsewhere on Windows, run the" \
+            "scripts by hand as README.md's \"On Windows\" shows." >&2
+        exit 2 ;;
+    esac
     if [ ! -x "$folder/bin/python" ] && [ -f "$folder/pyvenv.cfg" ] &&
         compgen -G "$folder/.installed-*" > /dev/null; then
         # An environment this script installed into whose Python is gone (upgraded or removed: Homebrew, pyenv),

@@ -250,6 +250,23 @@ def test_run_local_serve_turns_objective_c_fork_check_off_on_macos_only(system, 
     assert lines[served + 1] == f'objc check off: {check}', lines
 
 
+@pytest.mark.parametrize('command', [[], ['serve'], ['test']])
+def test_run_local_in_git_bash_says_how_to_run_on_windows_and_makes_nothing(command, tmp_path):
+    # Windows' Python makes a venv with Scripts\python.exe, not bin/python: before, "bin/python: No such file"
+    bin_dir = tmp_path / 'bin'
+    bin_dir.mkdir()
+    (bin_dir / 'uname').write_text('#!/bin/sh\necho MINGW64_NT-10.0-19045\n')
+    (bin_dir / 'uname').chmod(0o755)
+    env = script_env(VENV=str(tmp_path / 'venv'), PATH=f'{bin_dir}:{os.environ["PATH"]}')
+    returncode, stdout, stderr = run(['bash', ROOT / 'run_local.sh', *command], env=env, check=False, timeout=60)
+    assert returncode == 2 and stdout == '' and stderr == (
+        'run_local.sh: it runs on Linux and macOS, and on Windows under WSL; elsewhere on Windows, run the scripts '
+        'by hand as README.md\'s "On Windows" shows.\n')
+    assert not (tmp_path / 'venv').exists()
+    readme = ' '.join((ROOT / 'README.md').read_text().split())
+    assert 'On Windows, run `./run_local.sh` under WSL, where it is Linux (in Git Bash it says so and stops)' in readme
+
+
 @pytest.mark.one_leg
 def test_gpu_check_runs_every_check_on_the_cpu_and_fails_for_a_failed_one(mnist_big_dir, tmp_path):
     # CI has no GPU: the same command on the CPU checks its own logic. A bar no run reaches (101%) makes the

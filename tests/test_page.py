@@ -156,6 +156,14 @@ def test_uploading_a_file_shows_its_digit_and_a_blank_one_says_why(page, tmp_pat
         page.save_screenshot(os.environ['PAGE_SCREENSHOT'])
 
 
+def test_the_image_picker_is_reached_by_the_keyboard_and_shows_it(page):
+    # Before: the file input was display: none, so Tab went from Clear to nothing and no key opened the picker
+    from selenium.webdriver.common.keys import Keys
+    page.find_element('id', 'clear').send_keys(Keys.TAB)
+    assert page.execute_script('return document.activeElement.id') == 'file'
+    assert page.execute_script("return getComputedStyle(document.querySelector('label.file')).outlineStyle") != 'none'
+
+
 def phone_photo(digit, rng):
     """A 4000x3000 JPEG of a digit drawn large on grainy paper, as a phone takes it: several MB."""
     image = Image.new('L', (4000, 3000), 235)

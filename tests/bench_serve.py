@@ -278,11 +278,13 @@ def main():
     print(f'{os.cpu_count()} CPU cores, serve.py {chosen}, torch {torch.__version__}, {len(bodies[0])}-byte 28x28 '
           f'PNGs; largest images: {len(big[0]) // 1000} KB 4096x4096 RGBA PNG, {len(big[1]) // 1000} KB 16384x16384 '
           f'JPEG', flush=True)
+    takes_workers = {}  # a baseline without the flag (390c706: one process) runs as it was
+    for name, script in scripts.items():
+        with open(script) as source:
+            takes_workers[name] = "'--workers'" in source.read()
     for round in range(args.rounds):
         for name, script in scripts.items():
-            with open(script) as source:  # a baseline without the flag (390c706: one process) runs as it was
-                takes_workers = "'--workers'" in source.read()
-            server = Server(script, model_path, workers=args.workers if takes_workers else None)
+            server = Server(script, model_path, workers=args.workers if takes_workers[name] else None)
             try:
                 f = measure(server, bodies, big, kinds, args)
             finally:

@@ -255,14 +255,18 @@ def test_run_local_in_git_bash_says_how_to_run_on_windows_and_makes_nothing(comm
     # Windows' Python makes a venv with Scripts\python.exe, not bin/python: before, "bin/python: No such file"
     bin_dir = tmp_path / 'bin'
     bin_dir.mkdir()
-    (bin_dir / 'uname').write_text('#!/bin/sh\necho MINGW64_NT-10.0-19045\n')
-    (bin_dir / 'uname').chmod(0o755)
-    env = script_env(VENV=str(tmp_path / 'venv'), PATH=f'{bin_dir}:{os.environ["PATH"]}')
+    for name, text in (('uname', '#!/bin/sh\necho MINGW64_NT-10.0-19045\n'), ('python3', FAKE_PYTHON)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    calls = tmp_path / 'calls'
+    calls.touch()
+    env = script_env(PYTHON=str(bin_dir / 'python3'), VENV=str(tmp_path / 'venv'), CALLS=str(calls),
+                     PATH=f'{bin_dir}:{os.environ["PATH"]}')
     returncode, stdout, stderr = run(['bash', ROOT / 'run_local.sh', *command], env=env, check=False, timeout=60)
     assert returncode == 2 and stdout == '' and stderr == (
         'run_local.sh: it runs on Linux and macOS, and on Windows under WSL; elsewhere on Windows, run the scripts '
         'by hand as README.md\'s "On Windows" shows.\n')
-    assert not (tmp_path / 'venv').exists()
+    assert not (tmp_path / 'venv').exists() and calls.read_text() == ''  # no venv made, nothing installed or run
     readme = ' '.join((ROOT / 'README.md').read_text().split())
     assert 'On Windows, run `./run_local.sh` under WSL, where it is Linux (in Git Bash it says so and stops)' in readme
 

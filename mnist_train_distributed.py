@@ -399,11 +399,16 @@ def report_failure(error):
         sys.stderr.write(message + '\n')  # one write: the ranks of a job share the stream
         return
     origin = getattr(error, 'origin', None)
-    if origin is not None:  # its paragraph is in the report of rank `origin`'s node; reported a second later
+    if origin is not None:  # its paragraph is in the report of rank `origin`'s node; dated a second later
         message = f'error: stopped because rank {origin} failed during set-up (the root cause: see its node\'s report)'
     with open(path, 'w') as f:  # the report shows py_callstack: here the paragraph, not a traceback
         json.dump({'message': {'message': message, 'extraInfo': {
             'py_callstack': message, 'timestamp': str(int(time.time()) + (origin is not None))}}}, f)
+    first_local_rank = int(os.environ['RANK']) - int(os.environ['LOCAL_RANK'])  # a node's ranks are consecutive
+    if origin is not None and first_local_rank <= origin < first_local_rank + int(os.environ['LOCAL_WORLD_SIZE']):
+        # torchrun reports only the processes it has seen fail, then stops the others (newer ones than torch 2.3's
+        # add these since pytorch/pytorch#160908): ending first, this process could be the only one it names.
+        time.sleep(30)  # until torchrun stops it, once rank `origin` has ended
 
 
 def train(model, train_loader, optimizer, criterion, epoch, device, writer, log_interval, rank, local_rank, world_size):

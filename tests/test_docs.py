@@ -180,7 +180,7 @@ def test_the_suite_runs_one_worker_more_than_the_cpus():
     assert conftest.pytest_xdist_auto_num_workers(None) == common.usable_cpus() + 1
     assert (ROOT / 'run_local.sh').read_text().count('-m pytest -q -n auto --dist worksteal tests "$@"') == 2
     assert "pytest-xdist's `-n auto` made one worker more than the CPUs" in ' '.join(
-        (ROOT / 'README.md').read_text().split())
+        (ROOT / 'docs' / 'testing.md').read_text().split())
 
 
 def refusals():

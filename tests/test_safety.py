@@ -2,6 +2,7 @@
 changed hyperparameters on resume, divergence, Ctrl-C and SIGTERM, a full disk, hand-made data folders,
 a device that is not there, two runs at once into one folder. Both scripts, run as users run them."""
 import gzip
+import os
 import re
 import signal
 import sys
@@ -303,10 +304,18 @@ def test_a_second_run_into_the_folder_of_a_running_one_stops_and_changes_nothing
                    f'submitted twice): let it end, or stop it, before running again into this folder; or pass '
                    f'another --output-dir.')
         assert one_paragraph_error(run(train_cmd(*args), check=False)) == refusal
+        # Rank 0, refused, ends 6 s late (as a GPU's teardown may): torch 2.3's torchrun looks every 5 s
+        slow_exit = tmp_path / 'slow_exit'
+        slow_exit.mkdir()
+        (slow_exit / 'sitecustomize.py').write_text("import atexit, os, time\n"
+                                                    "if os.environ.get('RANK') == '0':\n"
+                                                    "    atexit.register(time.sleep, 6)\n")
         job, job_output = start(torchrun('--nnodes=1', '--nproc_per_node=2', '--master_addr=127.0.0.1',
-                                         f'--master_port={free_port()}', ROOT / 'mnist_train_distributed.py', *args))
+                                         f'--master_port={free_port()}', ROOT / 'mnist_train_distributed.py', *args),
+                                env=script_env(PYTHONPATH=os.pathsep.join(filter(None, (
+                                    str(slow_exit), os.environ.get('PYTHONPATH'))))))
         report = torchrun_report(job_output.rest(timeout=120))
-        # Rank 0's paragraph as the root cause; rank 1's pointer to it too where torchrun saw rank 1 end (torch 2.4+)
+        # Rank 0's paragraph as the root cause; rank 1's pointer too where torchrun reports it (newer torch)
         assert job.returncode == 1 and report['root'] == (0, refusal), job_output.lines
         assert report['others'] in ([], [(1, "error: stopped because rank 0 failed during set-up (the root cause: "
                                              "see its node's report)")]), job_output.lines

@@ -30,10 +30,18 @@ import threading
 import time
 import traceback
 
+# The processes' title, Gunicorn's too where setproctitle is installed (gunicorn: master [serve.py --port 8000 ...]):
+# pkill -f 'serve.py.*--port 8000' finds one service of several. In UTF-8: a GBK path's bytes would crash Gunicorn.
+TITLE = ' '.join(['serve.py', *(os.fsencode(arg).decode(errors='replace') for arg in sys.argv[1:])])
+
 try:
     import torch
     import uvicorn
     if sys.platform != 'win32':  # Gunicorn manages the worker processes where it runs: not on Windows
+        if __name__ == '__main__' and sys.platform != 'darwin':  # before Gunicorn reads it (macOS: titles none)
+            with contextlib.suppress(ImportError):
+                from setproctitle import setproctitle
+                setproctitle(TITLE)
         from gunicorn.app.base import BaseApplication
         from gunicorn.arbiter import Arbiter
         from uvicorn_worker import UvicornWorker
@@ -378,8 +386,7 @@ def serve(model, args):
                'backlog': 2048, 'loglevel': 'warning', 'control_socket_disable': True, 'pre_fork': pre_fork,
                'worker_tmp_dir': '/dev/shm' if os.path.isdir('/dev/shm') else None,  # heartbeats in memory
                'post_worker_init': post_worker_init,
-               # with setproctitle installed, titled gunicorn: master [serve.py --port 8000 ...]: pkill -f finds it
-               'proc_name': ' '.join(['serve.py', *sys.argv[1:]]),
+               'proc_name': TITLE,
                'when_ready': lambda arbiter: print(serving_line(
                    args.model, arbiter.LISTENERS[0].sock.getsockname(), args.workers), flush=True)}
     Master(Service(app, options)).run()
@@ -410,7 +417,7 @@ def main(args):
 
 
 if __name__ == '__main__':
-    sys.stdout.reconfigure(line_buffering=True, write_through=False)
+    sys.stdout.reconfigure(line_buffering=True, write_through=False, errors='surrogateescape')  # a GBK path's bytes
     args = parse_args()
     try:
         sys.exit(main(args))

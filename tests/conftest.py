@@ -224,7 +224,7 @@ class LineReader:
 
 def start(args, env=None):
     proc = subprocess.Popen([str(a) for a in args], cwd=ROOT, env=env or script_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors='backslashreplace')
     return proc, LineReader(proc)
 
 

@@ -685,6 +685,23 @@ def test_its_processes_are_found_by_name(model_file):
         assert re.search(rb'serve\.py .*--port %d\b' % port, title), (pid, proc.pid, title)  # its flags kept
 
 
+@pytest.mark.skipif(sys.platform != 'linux', reason='a file name not in UTF-8; reads the titles from /proc')
+def test_a_model_path_not_in_utf8_is_served(model_file, tmp_path):
+    """A path in another encoding (GBK's 测, as unzipped from Windows): with setproctitle, Gunicorn crashed as it
+    was imported (27: it reads the title) or as it titled the master (23); the serving line, as it was printed
+    where stdout is strict (most UTF-8 locales)."""
+    model = os.fsdecode(os.path.join(os.fsencode(tmp_path), b'\xb2\xe2.pth'))
+    shutil.copy(model_file, model)
+    proc, reader, port = serve(model, env=script_env(PYTHONIOENCODING='utf-8:strict'))
+    assert reader.lines[-1].startswith(f'Serving {tmp_path}/\\xb2\\xe2.pth on http://127.0.0.1:{port} '), reader.lines
+    assert post(port, png(7))[0] == 200
+    with open(f'/proc/{proc.pid}/cmdline', 'rb') as f:
+        title = f.read().replace(b'\0', b' ')
+    assert re.search(rb'serve\.py --model \S+/\xef\xbf\xbd\xef\xbf\xbd\.pth --port %d\b' % port, title), title
+    proc.terminate()
+    assert proc.wait(timeout=60) == 0
+
+
 def test_it_leaves_nothing_in_the_home_folder(model_file, tmp_path):
     """Gunicorn 25 and later open a control socket for gunicornc, ~/.gunicorn/gunicorn.ctl (or in $XDG_RUNTIME_DIR):
     one path for every service of a user, the last started taking it, and left there after a stop. serve.py turns

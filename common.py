@@ -457,6 +457,12 @@ def load_checkpoint(args):
     folder = args.output_dir
     checkpoint_path = os.path.join(folder, 'checkpoint.pth')
     try:
+        folder.encode()  # TensorBoard's writer takes UTF-8 paths only
+    except UnicodeEncodeError:
+        raise SetupError(f'the output folder {os.fsencode(folder).decode(errors="replace")} is not named in UTF-8 (a '
+                         f'name in another encoding, GBK say), and TensorBoard cannot write there: pass '
+                         f'--output-dir with a path in UTF-8.') from None
+    try:
         os.makedirs(folder, exist_ok=True)
         with tempfile.TemporaryFile(dir=folder):
             pass

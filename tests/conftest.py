@@ -135,7 +135,7 @@ def script_env(**extra):
 def run(args, env=None, timeout=180, check=True):
     """Run a command in the project root; return (returncode, stdout, stderr)."""
     result = subprocess.run([str(a) for a in args], cwd=ROOT, env=env or script_env(),
-                            capture_output=True, text=True, timeout=timeout)
+                            capture_output=True, text=True, errors='backslashreplace', timeout=timeout)
     if check and result.returncode != 0:
         raise AssertionError(f'{args} exited {result.returncode}\n--- stdout\n{result.stdout}'
                              f'\n--- stderr\n{result.stderr}')

@@ -1,4 +1,5 @@
 """Bad input gets one readable paragraph, a non-zero exit within seconds, and loses nothing saved."""
+import os
 import sys
 
 import pytest
@@ -46,6 +47,18 @@ def test_unwritable_output_folder_is_found_before_reading_data(script, tmp_path)
     # The data folder does not exist either: the output folder must be the first thing checked.
     fails(script('--data-dir', tmp_path / 'nodata', '--output-dir', tmp_path / 'a_file' / 'out'),
           f'cannot write to the output folder {tmp_path}/a_file/out', '--output-dir')
+
+
+@pytest.mark.one_leg  # torch-independent: a start-up error of our own
+@pytest.mark.skipif(sys.platform == 'win32', reason='a file name in bytes that are not UTF-8: not on Windows')
+@pytest.mark.parametrize('script', [train_cmd, dist_cmd])
+def test_an_output_folder_not_named_in_utf8_is_refused_before_training(script, tmp_path):
+    """TensorBoard's writer failed on it with a traceback once the data was read (GBK's 测: \\xb2\\xe2)."""
+    out = os.fsdecode(os.path.join(os.fsencode(tmp_path), b'\xb2\xe2'))
+    fails(script('--data-dir', tmp_path / 'nodata', '--output-dir', out),
+          f'error: the output folder {tmp_path}/\ufffd\ufffd is not named in UTF-8 (a name in another encoding, GBK '
+          f'say), and TensorBoard cannot write there: pass --output-dir with a path in UTF-8.')
+    assert os.listdir(tmp_path) == []
 
 
 @pytest.mark.one_leg  # torch-independent: a start-up error of our own

@@ -404,8 +404,8 @@ def report_failure(error):
     with open(path, 'w') as f:  # the report shows py_callstack: here the paragraph, not a traceback
         json.dump({'message': {'message': message, 'extraInfo': {
             'py_callstack': message, 'timestamp': str(int(time.time()) + (origin is not None))}}}, f)
-    first_local_rank = int(os.environ['RANK']) - int(os.environ['LOCAL_RANK'])  # a node's ranks are consecutive
-    if origin is not None and first_local_rank <= origin < first_local_rank + int(os.environ['LOCAL_WORLD_SIZE']):
+    first = int(os.environ['RANK']) - int(os.environ['LOCAL_RANK'])  # the ranks of a node are consecutive
+    if origin in range(first, first + int(os.environ.get('LOCAL_WORLD_SIZE', 1))):  # rank `origin` is on this node
         # torchrun reports only the processes it has seen fail, then stops the others (newer ones than torch 2.3's
         # add these since pytorch/pytorch#160908): ending first, this process could be the only one it names.
         time.sleep(30)  # until torchrun stops it, once rank `origin` has ended

@@ -158,7 +158,7 @@ def main(args):
 
 if __name__ == '__main__':
     # Whole lines, each as soon as it is printed: DLC's log view is live and ranks share one stream.
-    sys.stdout.reconfigure(line_buffering=True, write_through=False)
+    sys.stdout.reconfigure(line_buffering=True, write_through=False, errors='surrogateescape')  # any path's bytes
     args = parse_args()
     common.stop_on_signals(args)  # Ctrl-C, SIGTERM and SIGHUP end the run with one line
     common.limit_cpu_threads()  # torch counts the host's cores, not a container's CPU quota

@@ -61,6 +61,20 @@ def test_an_output_folder_not_named_in_utf8_is_refused_before_training(script, t
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.skipif(sys.platform == 'win32', reason='a file name in bytes that are not UTF-8: not on Windows')
+@pytest.mark.parametrize('script', [train_cmd, dist_cmd])
+def test_a_data_folder_not_named_in_utf8_is_read(script, mnist_dir, tmp_path):
+    """Its name printed where stdout is strict (most UTF-8 locales) failed: argparse's 'invalid mnist_root value'."""
+    raw = os.path.join(os.fsencode(tmp_path), b'\xb2\xe2', b'MNIST', b'raw')
+    os.makedirs(os.path.dirname(raw))
+    os.symlink(mnist_dir / 'MNIST' / 'raw', raw)
+    _, stdout, _ = run(script('--data-dir', os.fsdecode(raw), '--output-dir', tmp_path / 'out', '--epochs', '1'),
+                       env=script_env(PYTHONIOENCODING='utf-8:strict'))
+    assert f'--data-dir {tmp_path}/\\xb2\\xe2/MNIST/raw is the MNIST/raw folder itself; reading the data from ' \
+           f'{tmp_path}/\\xb2\\xe2/MNIST/raw' in stdout, stdout
+    assert stdout.rstrip().endswith('Training complete. writer.close()'), stdout
+
+
 @pytest.mark.one_leg  # torch-independent: a start-up error of our own
 def test_default_dlc_paths_on_a_laptop_name_the_flags():
     # A laptop user without root: creating /mnt/data fails. Simulated, so /mnt/data is never made.

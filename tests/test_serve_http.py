@@ -373,6 +373,7 @@ def test_the_listen_backlog_is_the_documented_one(server, model_file, as_on_wind
     port = serve(model_file, as_on_windows=True)[2] if as_on_windows else server[0]
     documented = re.search(r'^\| connections waiting to be accepted \| (\d+) \(the listen backlog\) \|$',
                            (ROOT / 'docs' / 'serving.md').read_text(), re.M)
+    assert documented, "docs/serving.md's limits table no longer names the listen backlog"
     with open('/proc/sys/net/core/somaxconn') as f:
         expected = min(int(documented.group(1)), int(f.read()))
     listening = subprocess.run(['ss', '-ltnH', f'sport = :{port}'], capture_output=True, text=True, check=True).stdout

@@ -322,7 +322,7 @@ def images_in(body, content_type):
                 raise TypeError
             return [base64.b64decode(image.partition('base64,')[2] if image.startswith('data:') else image)
                     for image in images], 'images' in fields
-        except (ValueError, KeyError, TypeError, binascii.Error):
+        except (ValueError, KeyError, TypeError, binascii.Error, RecursionError):  # RecursionError: nested too deep
             raise Refused(400, f'the JSON body is not {{"image": "<base64>"}} nor {{"images": [...]}}; {FORMS}') \
                 from None
     return [body], False

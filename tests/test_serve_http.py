@@ -219,6 +219,8 @@ def test_framed_1_adds_the_28x28_image_the_model_read_and_only_then(server):
     (json.dumps({'images': []}), {}, 'the JSON body is not'),  # no image: 400, not the model's 500 on nothing
     (json.dumps([{'image': 'x'}]), {}, 'the JSON body is not'),  # a list, TensorFlow Serving's instances say
     (b'null', {'Content-Type': 'application/json'}, 'the JSON body is not'),  # JSON as declared
+    (b'[' * 30000 + b']' * 30000, {}, 'the JSON body is not'),  # nested past Python's recursion limit
+    (b'[' * 100000 + b']' * 100000, {}, 'the JSON body is not'),  # the same, read on a prediction thread
     (b'--b\r\nContent-Disposition: form-data; name="a"\r\n\r\ntext\r\n--b--\r\n',
      {'Content-Type': 'multipart/form-data; boundary=b'}, 'the form holds no file'),
     (b'plain words', {'Content-Type': 'text/plain'}, 'not an image Pillow can read'),

@@ -8,11 +8,11 @@ drawing or a scan, and applies the document's transform:
     framing.to_mnist(open('digit.jpg', 'rb').read())   # the 28x28 'L' image the model reads
     framing.to_tensor(pil_image)                        # [1, 1, 28, 28], as the training data
 
-Bytes (PNG, JPEG, GIF, BMP, WebP, ...) or a PIL image go in. A 28x28 image is taken as MNIST's own
-format (only inverted if dark on light): an MNIST test image gives bit for bit the tensor the scripts
-validate on. Errors: NotAnImage, Damaged and TooLarge (all ValueErrors), and NoDigit for a blank
-picture. The cost is bounded whatever the size: the digit is found on a copy at most WORK_SIDE pixels
-a side, and read from a crop around it reduced to the same size.
+Bytes (PNG, JPEG, GIF, BMP, WebP, TIFF, PPM, AVIF) or a PIL image go in. A 28x28 image is taken as
+MNIST's own format (only inverted if dark on light): an MNIST test image gives bit for bit the tensor
+the scripts validate on. Errors: NotAnImage, Damaged and TooLarge (all ValueErrors), and NoDigit for a
+blank picture. The cost is bounded whatever the size: the digit is found on a copy at most WORK_SIDE
+pixels a side, and read from a crop around it reduced to the same size.
 
 Its last part is the model's side of serving, without a server (serve.py runs it on Gunicorn and uvicorn;
 any other server can too): load_model, images_in (the images a request body carries: the file itself, a
@@ -33,6 +33,9 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 
 import common
 
+# The picture formats read; not the rest of Pillow's: EPS would run Ghostscript on a request's bytes where it is
+# installed (able to write files), and each other parser is more code facing the internet
+FORMATS = ('PNG', 'JPEG', 'GIF', 'BMP', 'WEBP', 'TIFF', 'PPM', 'AVIF')
 MAX_PIXELS = 4096 * 4096  # decoded at full size; a JPEG may have 16 times as many: it is decoded at 1/2-1/8 scale
 JPEG_SIDE = 1024  # a large JPEG is decoded at reduced scale, any large picture averaged, to at least this a side
 WORK_SIDE = 320  # larger pictures are read from a reduced copy and a reduced crop around the digit
@@ -42,7 +45,7 @@ MIN_CONTRAST = 0.1  # of the ink against the paper, in 0-1: below it, no digit
 
 
 class NotAnImage(ValueError):
-    """Bytes that are no image format Pillow reads."""
+    """Bytes in none of the FORMATS."""
 
 
 class Damaged(ValueError):
@@ -64,18 +67,19 @@ class NoDigit(ValueError):
 def decode(data):
     """Image bytes -> a PIL image upright, in 'L', 'LA', 'RGB' or 'RGBA', decoded within bounded memory."""
     try:
-        image = Image.open(io.BytesIO(data))  # reads the header only
+        image = Image.open(io.BytesIO(data), formats=FORMATS)  # reads the header only
         width, height = image.size
-        limit = 16 * MAX_PIXELS if image.format == 'JPEG' else MAX_PIXELS
+        jpeg = image.format in ('JPEG', 'MPO')  # MPO: a camera's JPEG with a second picture (a preview, a gain map)
+        limit = 16 * MAX_PIXELS if jpeg else MAX_PIXELS
         if width * height <= limit:
-            if image.format == 'JPEG':  # decoded at 1/2, 1/4 or 1/8 scale, still at least JPEG_SIDE a side
+            if jpeg:  # decoded at 1/2, 1/4 or 1/8 scale, still at least JPEG_SIDE a side
                 scale = max(1, max(width, height) // JPEG_SIDE)
                 image.draft(image.mode, (width // scale, height // scale))
             image.load()
     except Image.DecompressionBombError as e:
         raise TooLarge(str(e)) from None
     except UnidentifiedImageError:
-        raise NotAnImage('not an image Pillow can read (PNG, JPEG, BMP, ...)') from None
+        raise NotAnImage('not an image in a format served (PNG, JPEG, GIF, BMP, WebP, TIFF, PPM or AVIF)') from None
     except (OSError, ValueError, SyntaxError) as e:  # a truncated or damaged image
         raise Damaged(f'the image cannot be decoded ({e})') from None
     if width * height > limit:
@@ -345,7 +349,7 @@ def form_files(body, content_type):
 def pixel_count(data):
     """An image's pixels, from its header (nothing decoded), or 0 where it has none: then its error is as quick."""
     try:
-        return math.prod(Image.open(io.BytesIO(data)).size)
+        return math.prod(Image.open(io.BytesIO(data), formats=FORMATS).size)
     except Exception:
         return 0
 

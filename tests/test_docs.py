@@ -243,6 +243,17 @@ def test_serve_py_help_shows_its_run_commands_and_each_flags_default(monkeypatch
         assert helps[flag] and (value is None or '(default: ' in helps[flag] and shown in helps[flag]), flag
 
 
+def test_the_formats_served_are_those_the_docs_and_the_error_name():
+    import framing
+    text = ' '.join((ROOT / 'docs' / 'serving.md').read_text().split())
+    listed = re.search(r'`POST /predict` takes an image \(([^:]+):', text)[1]
+    assert [name.upper() for name in re.split(r', | or ', listed)] == list(framing.FORMATS)
+    with pytest.raises(framing.NotAnImage) as error:
+        framing.decode(b'no image')
+    named = re.search(r'\((.*)\)', str(error.value))[1]
+    assert [name.upper() for name in re.split(r', | or ', named)] == list(framing.FORMATS)
+
+
 def test_serving_limits_are_the_codes():
     import framing
     import serve

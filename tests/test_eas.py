@@ -152,7 +152,7 @@ def test_eas_sdk_through_the_gateway_at_the_root_and_at_predict(sdk, service, mo
     for reply, image in zip(replies[1:5], images[1:]):
         assert reply['reply']['digit'] == forward(model_file, framing.to_tensor(encode(image)))[0].argmax().item()
     assert replies[5] == {'status': 400, 'reply': {'error': replies[5]['reply']['error']}}
-    assert 'not an image Pillow can read' in replies[5]['reply']['error']
+    assert 'not an image in a format served' in replies[5]['reply']['error']
     assert [path for _, path, _ in gateway.forwarded] == [path] * 6  # a 400 is not retried (the SDK retries only 5xx)
 
 

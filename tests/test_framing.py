@@ -6,7 +6,7 @@ import zlib
 import numpy as np
 import pytest
 import torch
-from PIL import Image, ImageDraw, ImageOps
+from PIL import Image, ImageDraw, ImageOps, features
 from torchvision import datasets
 
 import framing
@@ -137,6 +137,38 @@ def test_large_images_are_decoded_within_bounds():
         framing.decode(png_header(100_000, 100_000))  # refused as Pillow opens it, by its own check
 
 
+EPS = (b'%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 100 100\n/Helvetica findfont 90 scalefont setfont\n'
+       b'20 10 moveto (7) show\nshowpage\n')  # a 7 in PostScript: Pillow would run Ghostscript to draw it
+
+
+@pytest.mark.parametrize('fmt', framing.FORMATS)
+def test_each_format_served_is_read(fmt):
+    if fmt == 'AVIF' and not features.check('avif'):
+        pytest.skip('this Pillow was built without AVIF')
+    assert like(framed(seven().convert('RGB'), fmt), framed(seven()), 0.95)[0]
+
+
+@pytest.mark.parametrize('fmt', ['ICO', 'TGA', 'PCX', 'SGI', 'JPEG2000', 'EPS'])
+def test_the_formats_pillow_reads_beside_those_are_not_read(fmt):
+    data = EPS if fmt == 'EPS' else encode(seven(), fmt)  # EPS: read, Ghostscript would run where installed
+    assert Image.open(io.BytesIO(data)).format == fmt, 'a format Pillow reads'
+    with pytest.raises(framing.NotAnImage, match='not an image in a format served'):
+        framing.to_mnist(data)
+    assert framing.pixel_count(data) == 0
+
+
+def test_a_cameras_jpeg_with_a_second_picture_is_read_as_a_jpeg():
+    """Cameras and phones add a second picture to their JPEGs (a preview, an HDR gain map): Pillow opens them as
+    MPO. Decoded at reduced scale and up to 16 times MAX_PIXELS, as any JPEG."""
+    photo = seven((6000, 5000), (2000, 1000, 4000, 4000), width=200).convert('RGB')  # 30 megapixels
+    buffer = io.BytesIO()
+    photo.save(buffer, 'MPO', save_all=True, append_images=[photo.reduce(8)])
+    assert Image.open(io.BytesIO(buffer.getvalue())).format == 'MPO'
+    decoded = framing.decode(buffer.getvalue())
+    assert framing.JPEG_SIDE <= max(decoded.size) < 2 * framing.JPEG_SIDE, decoded.size
+    assert like(framing.to_tensor(decoded)[0, 0], framed(seven()), 0.9)[0]
+
+
 def png_header(width, height):
     """A grey PNG's header and no pixels: what a picture claims to be, in 45 bytes."""
     chunks = [(b'IHDR', struct.pack('>IIBBBBB', width, height, 8, 0, 0, 0, 0)), (b'IDAT', b'')]
@@ -158,7 +190,7 @@ def test_noise_costs_no_more_than_a_digit():
 
 
 @pytest.mark.parametrize('data, error, message', [
-    (b'this is not an image', framing.NotAnImage, 'not an image Pillow can read'),
+    (b'this is not an image', framing.NotAnImage, 'not an image in a format served'),
     (encode(Image.fromarray(np.random.default_rng(0).integers(0, 256, (28, 28), dtype=np.uint8)))[:300],
      framing.Damaged, 'the image cannot be decoded'),
     (encode(Image.new('L', (28, 28), 0)), framing.NoDigit, r'^the image has no digit: it is blank or all of one '

@@ -92,7 +92,7 @@ def test_bad_requests_get_their_status_and_the_server_keeps_serving(server, tmp_
     url, port, reader = server
     cases = [
         (request(url + '/predict', b'', 'POST'), 400, 'the body is empty; send the image file as the body'),
-        (request(url + '/predict', b'this is not an image'), 400, 'not an image Pillow can read'),
+        (request(url + '/predict', b'this is not an image'), 400, 'not an image in a format served'),
         (request(url + '/predict', encode(np.random.default_rng(0).integers(0, 256, (28, 28)))[:300]), 400,
          'cannot be decoded'),
         (request(url + '/nowhere'), 404, 'no such path'),
@@ -167,7 +167,7 @@ def test_predict_files_without_a_server(model_file, mnist_dir, tmp_path):
     returncode, stdout, stderr = run([sys.executable, SERVE, '--model', model_file, '--predict',
                                       tmp_path / 'digit.png', tmp_path / 'notes.txt'], check=False)
     assert returncode == 1 and stdout == alone  # one file's error: exit 1, the others printed
-    assert f'{tmp_path}/notes.txt: error: the body is not an image Pillow can read' in stderr
+    assert f'{tmp_path}/notes.txt: error: the body is not an image in a format served' in stderr
 
 
 @skip_on_windows_pipes

@@ -91,7 +91,9 @@ def upright(image):
     """A phone photo's EXIF orientation applied, and the modes other than L, LA, RGB, RGBA converted."""
     if image.getexif().get(0x0112, 1) != 1:
         image = ImageOps.exif_transpose(image)
-    if image.mode not in ('L', 'LA', 'RGB', 'RGBA'):  # palette, 1-bit, CMYK, 16-bit
+    if image.mode.startswith('I'):  # 16-bit grey (a scanner's PNG or TIFF): 0-65535 to 0-255, not clipped at 255
+        image = image.convert('I').point(lambda level: level / 257).convert('L')
+    if image.mode not in ('L', 'LA', 'RGB', 'RGBA'):  # palette, 1-bit, CMYK
         image = image.convert('RGBA' if 'transparency' in image.info or image.mode.endswith('A') else 'RGB')
     return image
 

@@ -157,6 +157,14 @@ def test_the_formats_pillow_reads_beside_those_are_not_read(fmt):
     assert framing.pixel_count(data) == 0
 
 
+@pytest.mark.parametrize('fmt', ['PNG', 'TIFF'])
+def test_a_16_bit_grey_picture_is_read_as_its_8_bit_levels(fmt):
+    levels = np.asarray(seven(), dtype=np.uint16) * 257  # 0-255 to 0-65535
+    data = encode(Image.fromarray(levels), fmt)
+    assert Image.open(io.BytesIO(data)).mode.startswith('I'), 'opened as 16-bit'
+    assert torch.equal(framing.to_tensor(data), framing.to_tensor(seven()))
+
+
 def test_a_cameras_jpeg_with_a_second_picture_is_read_as_a_jpeg():
     """Cameras and phones add a second picture to their JPEGs (a preview, an HDR gain map): Pillow opens them as
     MPO. Decoded at reduced scale and up to 16 times MAX_PIXELS, as any JPEG."""

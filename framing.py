@@ -80,7 +80,7 @@ def decode(data):
         raise TooLarge(str(e)) from None
     except UnidentifiedImageError:
         raise NotAnImage('not an image in a format served (PNG, JPEG, GIF, BMP, WebP, TIFF, PPM or AVIF)') from None
-    except (OSError, ValueError, SyntaxError) as e:  # a truncated or damaged image
+    except (OSError, ValueError, SyntaxError, RuntimeError) as e:  # truncated or damaged (RuntimeError: AVIF)
         raise Damaged(f'the image cannot be decoded ({e})') from None
     if width * height > limit:
         raise TooLarge(f'the image has {width}x{height} pixels; at most {limit} are served')

@@ -148,6 +148,15 @@ def test_each_format_served_is_read(fmt):
     assert like(framed(seven().convert('RGB'), fmt), framed(seven()), 0.95)[0]
 
 
+def test_a_damaged_avif_is_named_damaged():
+    if not features.check('avif'):
+        pytest.skip('this Pillow was built without AVIF')
+    data = bytearray(encode(seven(), 'AVIF'))
+    data[-20:] = bytes(20)  # its pixels zeroed: Pillow's AVIF plugin raises RuntimeError, not OSError
+    with pytest.raises(framing.Damaged, match='the image cannot be decoded'):
+        framing.to_mnist(bytes(data))
+
+
 @pytest.mark.parametrize('fmt', ['ICO', 'TGA', 'PCX', 'SGI', 'JPEG2000', 'EPS'])
 def test_the_formats_pillow_reads_beside_those_are_not_read(fmt):
     data = EPS if fmt == 'EPS' else encode(seven(), fmt)  # EPS: read, Ghostscript would run where installed

@@ -36,10 +36,12 @@ import common
 # The picture formats read; not the rest of Pillow's: EPS would run Ghostscript on a request's bytes where it is
 # installed (able to write files), and each other parser is more code facing the internet
 FORMATS = ('PNG', 'JPEG', 'GIF', 'BMP', 'WEBP', 'TIFF', 'PPM', 'AVIF')
-MAX_PIXELS = 4096 * 4096  # decoded at full size; a JPEG may have 16 times as many: it is decoded at 1/2-1/8 scale
+MAX_PIXELS = 4096 * 4096  # decoded at full size; a JPEG of one scan may have 16 times as many: decoded at 1/2-1/8
 JPEG_SIDE = 1024  # a large JPEG is decoded at reduced scale, any large picture averaged, to at least this a side
 WORK_SIDE = 320  # larger pictures are read from a reduced copy and a reduced crop around the digit
 Image.MAX_IMAGE_PIXELS = 16 * MAX_PIXELS  # Pillow's own decompression-bomb check, past our limits
+MAX_SCANS = 100  # of a JPEG (a progressive one has about 10): each walks all its blocks, 40 bytes of it 1 ms
+SCAN_END = re.compile(rb'\xff[^\x00\xd0-\xd7]')  # a marker: not a stuffed 0xFF nor a restart marker
 MNIST_BOX, MNIST_STROKE = 20, 2.9  # MNIST fitted its digits into 20x20; its strokes' median width
 MIN_CONTRAST = 0.1  # of the ink against the paper, in 0-1: below it, no digit
 
@@ -53,7 +55,8 @@ class Damaged(ValueError):
 
 
 class TooLarge(ValueError):
-    """An image with more pixels than MAX_PIXELS (16 times that for a JPEG)."""
+    """An image with more pixels than MAX_PIXELS (16 times that: a JPEG of one scan), or a JPEG of over MAX_SCANS
+    scans."""
 
 
 class NoDigit(ValueError):
@@ -70,8 +73,10 @@ def decode(data):
         image = Image.open(io.BytesIO(data), formats=FORMATS)  # reads the header only
         width, height = image.size
         jpeg = image.format in ('JPEG', 'MPO')  # MPO: a camera's JPEG with a second picture (a preview, a gain map)
-        limit = 16 * MAX_PIXELS if jpeg else MAX_PIXELS
-        if width * height <= limit:
+        scans = jpeg_scans(bytes(data)) if jpeg else 0
+        # one scan, as cameras write them: decoded as it streams in; more (progressive): its coefficients held whole
+        limit = 16 * MAX_PIXELS if scans == 1 else MAX_PIXELS
+        if width * height <= limit and scans <= MAX_SCANS:
             if jpeg:  # decoded at 1/2, 1/4 or 1/8 scale, still at least JPEG_SIDE a side
                 scale = max(1, max(width, height) // JPEG_SIDE)
                 image.draft(image.mode, (width // scale, height // scale))
@@ -83,8 +88,31 @@ def decode(data):
     except (OSError, ValueError, SyntaxError, RuntimeError) as e:  # truncated or damaged (RuntimeError: AVIF)
         raise Damaged(f'the image cannot be decoded ({e})') from None
     if width * height > limit:
-        raise TooLarge(f'the image has {width}x{height} pixels; at most {limit} are served')
+        kind = ' in a progressive JPEG (16 times as many in a baseline one, as cameras write)' if jpeg else ''
+        raise TooLarge(f'the image has {width}x{height} pixels; at most {limit} are served{kind}')
+    if scans > MAX_SCANS:
+        raise TooLarge(f'the JPEG has over {MAX_SCANS} scans; at most that many are read (a progressive one has '
+                       f'about 10)')
     return upright(image)
+
+
+def jpeg_scans(data):
+    """The scans of a JPEG's image, counted as libjpeg walks its segments (not those of a thumbnail in its EXIF, nor
+    of a second picture after its end), up to MAX_SCANS + 1."""
+    scans, k = 0, 2  # after the start-of-image marker
+    while scans <= MAX_SCANS and (k := data.find(b'\xff', k)) >= 0 and k + 1 < len(data):  # other bytes: skipped
+        marker = data[k + 1]
+        if marker == 0xD9:  # the end of the image
+            break
+        if marker in (0x00, 0x01, 0xFF) or 0xD0 <= marker <= 0xD7:  # a fill byte or a marker without a length
+            k += 1 if marker == 0xFF else 2
+            continue
+        k += 2 + int.from_bytes(data[k + 2:k + 4], 'big')
+        if marker == 0xDA:  # a scan: its data runs to the next marker
+            scans += 1
+            end = SCAN_END.search(data, k)
+            k = end.start() if end else len(data)
+    return scans
 
 
 def upright(image):

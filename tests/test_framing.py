@@ -176,7 +176,7 @@ def test_a_16_bit_grey_picture_is_read_as_its_8_bit_levels(fmt):
 
 def test_a_cameras_jpeg_with_a_second_picture_is_read_as_a_jpeg():
     """Cameras and phones add a second picture to their JPEGs (a preview, an HDR gain map): Pillow opens them as
-    MPO. Decoded at reduced scale and up to 16 times MAX_PIXELS, as any JPEG."""
+    MPO. Decoded at reduced scale and up to 16 times MAX_PIXELS, as any JPEG of one scan."""
     photo = seven((6000, 5000), (2000, 1000, 4000, 4000), width=200).convert('RGB')  # 30 megapixels
     buffer = io.BytesIO()
     photo.save(buffer, 'MPO', save_all=True, append_images=[photo.reduce(8)])
@@ -184,6 +184,40 @@ def test_a_cameras_jpeg_with_a_second_picture_is_read_as_a_jpeg():
     decoded = framing.decode(buffer.getvalue())
     assert framing.JPEG_SIDE <= max(decoded.size) < 2 * framing.JPEG_SIDE, decoded.size
     assert like(framing.to_tensor(decoded)[0, 0], framed(seven()), 0.9)[0]
+
+
+def test_a_jpeg_of_more_scans_than_served_is_refused_before_it_is_decoded():
+    """Each scan of a progressive JPEG walks all its blocks: a 4096x4096 one repeating a 40-byte scan costs 1 ms a
+    copy, a 1 MB body 25 s of a prediction thread. Counted before decoding, as libjpeg walks the segments."""
+    image = seven((1024, 1024), (300, 200, 700, 900), width=40)
+    progressive = encode(image, 'JPEG', progressive=True)
+    last_scan = progressive[progressive.rindex(b'\xff\xda'):-2]  # up to the end-of-image marker
+    scans = progressive.count(b'\xff\xda')
+    assert 5 <= scans <= 10 and framing.jpeg_scans(progressive) == scans, 'as libjpeg writes a progressive grey JPEG'
+    at_most = progressive[:-2] + last_scan * (framing.MAX_SCANS - scans) + progressive[-2:]
+    assert framing.decode(at_most).size == image.size, f'{framing.MAX_SCANS} scans are read'
+    over = progressive[:-2] + last_scan * (framing.MAX_SCANS - scans + 1)
+    with pytest.raises(framing.TooLarge, match=f'^the JPEG has over {framing.MAX_SCANS} scans; at most that many'):
+        framing.decode(over[:-10])  # truncated: decoded, it would be Damaged
+    hidden = over.replace(b'\xff\xda', b'\x55\xff\xda')  # a byte between segments, which libjpeg skips
+    assert framing.jpeg_scans(hidden) > framing.MAX_SCANS
+
+
+def test_a_progressive_jpeg_is_served_up_to_max_pixels_and_a_cameras_up_to_16_times_that():
+    """A JPEG of several scans is held whole as it is decoded (a 16384x16384 one grew a process by 784 MiB); one of
+    one scan, as cameras write them, streams at reduced scale. A thumbnail in its EXIF is not counted as a scan."""
+    thumbnail = encode(seven((160, 120), (50, 20, 110, 100), width=6), 'JPEG')
+    exif = b'Exif\x00\x00' + thumbnail  # not a valid EXIF block, but where cameras keep their thumbnail
+    camera = encode(seven((6000, 5000), (2000, 1000, 4000, 4000), width=200), 'JPEG')
+    camera = camera[:2] + b'\xff\xe1' + (2 + len(exif)).to_bytes(2, 'big') + exif + camera[2:]
+    assert camera.count(b'\xff\xda') == 2 and framing.jpeg_scans(camera) == 1
+    assert like(framing.to_tensor(camera)[0, 0], framed(seven()), 0.9)[0], '30 megapixels in one scan are read'
+    side = 4096  # MAX_PIXELS
+    progressive = encode(seven((side, side), (1500, 1000, 2500, 3000), width=100), 'JPEG', progressive=True)
+    assert like(framing.to_tensor(progressive)[0, 0], framed(seven()), 0.9)[0], 'MAX_PIXELS in progressive JPEG'
+    with pytest.raises(framing.TooLarge, match='^the image has 4097x4096 pixels; at most 16777216 are served in a '
+                                               'progressive JPEG'):
+        framing.decode(encode(Image.new('L', (side + 1, side), 255), 'JPEG', progressive=True))
 
 
 def png_header(width, height):

@@ -135,8 +135,8 @@ class App:
             await send({'type': 'http.response.start', 'status': status,
                         'headers': [(name.encode(), value.encode()) for name, value in headers.items()]})
             await send({'type': 'http.response.body', 'body': data})
-        query = scope['query_string'].decode('latin-1')
-        target = scope['path'] + ('?' + query if query else '')
+        query = scope['query_string']  # with the path as sent: %0A stays, and no line is forged in the log
+        target = (scope['raw_path'] + b'?' * bool(query) + query).decode('latin-1')
         sys.stderr.write(f'{scope["method"]} {target} {status} {(time.perf_counter() - started) * 1000:.1f} ms\n')
 
     def crowded(self, client):

@@ -140,12 +140,15 @@ def test_one_log_line_per_request(server):
     tag = uuid.uuid4().hex
     request(url + f'/health?from={tag}')
     request(url + f'/log-test-{tag}')
-    reader.wait_for(lambda line: tag in line)
-    reader.wait_for(lambda line: tag in line)
+    forged = f'/x%0AGET%20/forged-{tag}%20200%201.0%20ms'  # a newline, decoded, would forge a line
+    request(url + forged)
+    for _ in range(3):
+        reader.wait_for(lambda line: tag in line)
     mine = sorted(line for line in reader.lines if tag in line)
-    assert len(mine) == 2, mine
+    assert len(mine) == 3, mine
     assert re.fullmatch(rf'GET /health\?from={tag} 200 \d+\.\d ms\n', mine[0]), mine
     assert re.fullmatch(rf'GET /log-test-{tag} 404 \d+\.\d ms\n', mine[1]), mine
+    assert re.fullmatch(rf'GET {forged} 404 \d+\.\d ms\n', mine[2]), 'the path as sent, on one line'
 
 
 def test_serve_py_loads_no_torchvision():
@@ -310,7 +313,8 @@ def test_a_bug_of_the_servers_gets_500_in_json_and_one_log_line_saying_where(mon
 
     async def send(message):
         sent.append(message)
-    scope = {'type': 'http', 'method': 'POST', 'path': '/predict', 'query_string': b'', 'headers': [],
+    scope = {'type': 'http', 'method': 'POST', 'path': '/predict', 'raw_path': b'/predict', 'query_string': b'',
+             'headers': [],
              'client': ('127.0.0.1', 50000)}
     asyncio.run(app(scope, None, send))
     assert sent[0]['status'] == 500

@@ -55,8 +55,8 @@ class Damaged(ValueError):
 
 
 class TooLarge(ValueError):
-    """An image with more pixels than MAX_PIXELS (16 times that: a JPEG of one scan), or a JPEG of over MAX_SCANS
-    scans."""
+    """An image with more pixels than MAX_PIXELS (16 times that: a JPEG of one sequential scan), or a JPEG of over
+    MAX_SCANS scans."""
 
 
 class NoDigit(ValueError):
@@ -73,9 +73,8 @@ def decode(data):
         image = Image.open(io.BytesIO(data), formats=FORMATS)  # reads the header only
         width, height = image.size
         jpeg = image.format in ('JPEG', 'MPO')  # MPO: a camera's JPEG with a second picture (a preview, a gain map)
-        scans = jpeg_scans(bytes(data)) if jpeg else 0
-        # one scan, as cameras write them: decoded as it streams in; more (progressive): its coefficients held whole
-        limit = 16 * MAX_PIXELS if scans == 1 else MAX_PIXELS
+        scans, streamed = jpeg_scans(bytes(data)) if jpeg else (0, False)
+        limit = 16 * MAX_PIXELS if streamed else MAX_PIXELS  # a progressive JPEG, held whole: as any other image
         if width * height <= limit and scans <= MAX_SCANS:
             if jpeg:  # decoded at 1/2, 1/4 or 1/8 scale, still at least JPEG_SIDE a side
                 scale = max(1, max(width, height) // JPEG_SIDE)
@@ -97,9 +96,10 @@ def decode(data):
 
 
 def jpeg_scans(data):
-    """The scans of a JPEG's image, counted as libjpeg walks its segments (not those of a thumbnail in its EXIF, nor
-    of a second picture after its end), up to MAX_SCANS + 1."""
-    scans, k = 0, 2  # after the start-of-image marker
+    """(The scans of a JPEG's image up to MAX_SCANS + 1, whether libjpeg decodes it as it streams in), read from its
+    segments as libjpeg walks them: a thumbnail in its EXIF and a second picture after its end are not counted. It
+    streams with one sequential scan of all its components; otherwise libjpeg holds all the image's coefficients."""
+    scans, k, frame, components, streamed = 0, 2, None, None, False
     while scans <= MAX_SCANS and (k := data.find(b'\xff', k)) >= 0 and k + 1 < len(data):  # other bytes: skipped
         marker = data[k + 1]
         if marker == 0xD9:  # the end of the image
@@ -107,12 +107,16 @@ def jpeg_scans(data):
         if marker in (0x00, 0x01, 0xFF) or 0xD0 <= marker <= 0xD7:  # a fill byte or a marker without a length
             k += 1 if marker == 0xFF else 2
             continue
-        k += 2 + int.from_bytes(data[k + 2:k + 4], 'big')
-        if marker == 0xDA:  # a scan: its data runs to the next marker
+        if marker in (0xC0, 0xC1, 0xC2):  # a frame header: baseline, extended or progressive (others: not streamed)
+            frame, components = marker, data[k + 9:k + 10]
+        elif marker == 0xDA:  # a scan
             scans += 1
+            streamed = scans == 1 and frame in (0xC0, 0xC1) and data[k + 4:k + 5] == components
+        k += 2 + int.from_bytes(data[k + 2:k + 4], 'big')
+        if marker == 0xDA:  # its data runs to the next marker
             end = SCAN_END.search(data, k)
             k = end.start() if end else len(data)
-    return scans
+    return scans, streamed
 
 
 def upright(image):

@@ -193,14 +193,14 @@ def test_a_jpeg_of_more_scans_than_served_is_refused_before_it_is_decoded():
     progressive = encode(image, 'JPEG', progressive=True)
     last_scan = progressive[progressive.rindex(b'\xff\xda'):-2]  # up to the end-of-image marker
     scans = progressive.count(b'\xff\xda')
-    assert 5 <= scans <= 10 and framing.jpeg_scans(progressive) == scans, 'as libjpeg writes a progressive grey JPEG'
+    assert 5 <= scans <= 10 and framing.jpeg_scans(progressive) == (scans, False), 'as libjpeg writes one in grey'
     at_most = progressive[:-2] + last_scan * (framing.MAX_SCANS - scans) + progressive[-2:]
     assert framing.decode(at_most).size == image.size, f'{framing.MAX_SCANS} scans are read'
     over = progressive[:-2] + last_scan * (framing.MAX_SCANS - scans + 1)
     with pytest.raises(framing.TooLarge, match=f'^the JPEG has over {framing.MAX_SCANS} scans; at most that many'):
         framing.decode(over[:-10])  # truncated: decoded, it would be Damaged
     hidden = over.replace(b'\xff\xda', b'\x55\xff\xda')  # a byte between segments, which libjpeg skips
-    assert framing.jpeg_scans(hidden) > framing.MAX_SCANS
+    assert framing.jpeg_scans(hidden)[0] > framing.MAX_SCANS
 
 
 def test_a_progressive_jpeg_is_served_up_to_max_pixels_and_a_cameras_up_to_16_times_that():
@@ -210,14 +210,21 @@ def test_a_progressive_jpeg_is_served_up_to_max_pixels_and_a_cameras_up_to_16_ti
     exif = b'Exif\x00\x00' + thumbnail  # not a valid EXIF block, but where cameras keep their thumbnail
     camera = encode(seven((6000, 5000), (2000, 1000, 4000, 4000), width=200), 'JPEG')
     camera = camera[:2] + b'\xff\xe1' + (2 + len(exif)).to_bytes(2, 'big') + exif + camera[2:]
-    assert camera.count(b'\xff\xda') == 2 and framing.jpeg_scans(camera) == 1
+    assert camera.count(b'\xff\xda') == 2 and framing.jpeg_scans(camera) == (1, True)
     assert like(framing.to_tensor(camera)[0, 0], framed(seven()), 0.9)[0], '30 megapixels in one scan are read'
     side = 4096  # MAX_PIXELS
     progressive = encode(seven((side, side), (1500, 1000, 2500, 3000), width=100), 'JPEG', progressive=True)
     assert like(framing.to_tensor(progressive)[0, 0], framed(seven()), 0.9)[0], 'MAX_PIXELS in progressive JPEG'
-    with pytest.raises(framing.TooLarge, match='^the image has 4097x4096 pixels; at most 16777216 are served in a '
-                                               'progressive JPEG'):
-        framing.decode(encode(Image.new('L', (side + 1, side), 255), 'JPEG', progressive=True))
+    progressive = encode(Image.new('L', (side + 1, side), 255), 'JPEG', progressive=True)
+    first_scan = progressive[:progressive.index(b'\xff\xda', progressive.index(b'\xff\xda') + 2)] + b'\xff\xd9'
+    baseline = encode(Image.new('RGB', (side + 1, side), 'white'), 'JPEG')
+    sos = baseline.index(b'\xff\xda')  # its one scan made a scan of its first component only:
+    one_component = baseline[:sos] + b'\xff\xda\x00\x08\x01' + baseline[sos + 5:sos + 7] + baseline[sos + 11:]
+    assert framing.jpeg_scans(first_scan)[0] == framing.jpeg_scans(one_component)[0] == 1
+    for held_whole in (progressive, first_scan, one_component):  # libjpeg would hold all its coefficients
+        with pytest.raises(framing.TooLarge, match='^the image has 4097x4096 pixels; at most 16777216 are served in '
+                                                   'a progressive JPEG'):
+            framing.decode(held_whole)
 
 
 def png_header(width, height):

@@ -29,6 +29,7 @@ import sys
 import threading
 import time
 import traceback
+import warnings
 
 # The processes' title, Gunicorn's too where setproctitle is installed (gunicorn: master [serve.py --port 8000 ...]):
 # pkill -f 'serve.py.*--port 8000' finds one service of several. In UTF-8: a GBK path's bytes would crash Gunicorn.
@@ -400,6 +401,7 @@ def serving_line(model, address, workers):
 
 
 def main(args):
+    warnings.filterwarnings('ignore', module='PIL')  # of a client's damaged or huge picture: its reply says what
     model = framing.load_model(args.model)
     if not args.predict:
         return serve(model, args)

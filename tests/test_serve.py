@@ -7,11 +7,13 @@ import json
 import os
 import re
 import socket
+import struct
 import sys
 import threading
 import urllib.error
 import urllib.request
 import uuid
+import zlib
 
 import numpy as np
 import pytest
@@ -167,10 +169,16 @@ def test_predict_files_without_a_server(model_file, mnist_dir, tmp_path):
     returncode, alone, _ = run([sys.executable, SERVE, '--model', model_file, '--predict', tmp_path / 'digit.png'],
                                check=False)
     assert returncode == 0 and re.fullmatch(rf'{tmp_path}/digit.png: {expected} \(\d+\.\d%\)\n', alone)
+    chunks = [b'IHDR' + struct.pack('>IIBBBBB', 20000, 15000, 8, 0, 0, 0, 0), b'IDAT']  # a header, no pixels
+    (tmp_path / 'huge.png').write_bytes(b'\x89PNG\r\n\x1a\n' + b''.join(  # Pillow warns of so many, then refused
+        struct.pack('>I', len(chunk) - 4) + chunk + struct.pack('>I', zlib.crc32(chunk)) for chunk in chunks))
     returncode, stdout, stderr = run([sys.executable, SERVE, '--model', model_file, '--predict',
-                                      tmp_path / 'digit.png', tmp_path / 'notes.txt'], check=False)
+                                      tmp_path / 'digit.png', tmp_path / 'notes.txt', tmp_path / 'huge.png'],
+                                     check=False)
     assert returncode == 1 and stdout == alone  # one file's error: exit 1, the others printed
-    assert f'{tmp_path}/notes.txt: error: the body is not an image in a format served' in stderr
+    assert stderr.startswith(f'{tmp_path}/notes.txt: error: the body is not an image in a format served')
+    assert stderr.endswith(f'{tmp_path}/huge.png: error: the image has 20000x15000 pixels; at most 16777216 are '
+                           f'served\n') and len(stderr.splitlines()) == 2, 'no warning of Pillow besides'
 
 
 @skip_on_windows_pipes

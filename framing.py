@@ -75,7 +75,9 @@ def decode(data):
         jpeg = image.format in ('JPEG', 'MPO')  # MPO: a camera's JPEG with a second picture (a preview, a gain map)
         scans, streamed = jpeg_scans(bytes(data)) if jpeg else (0, False)
         limit = 16 * MAX_PIXELS if streamed else MAX_PIXELS  # a progressive JPEG, held whole: as any other image
-        if width * height <= limit and scans <= MAX_SCANS:
+        # a TIFF's tile width and length: libtiff allocates a whole tile at once, whatever the image's size
+        tile = [image.tag_v2.get(tag, 0) for tag in (322, 323)] if image.format == 'TIFF' else [0, 0]
+        if width * height <= limit and scans <= MAX_SCANS and math.prod(tile) <= MAX_PIXELS:
             if jpeg:  # decoded at 1/2, 1/4 or 1/8 scale, still at least JPEG_SIDE a side
                 scale = max(1, max(width, height) // JPEG_SIDE)
                 image.draft(image.mode, (width // scale, height // scale))
@@ -89,6 +91,8 @@ def decode(data):
     if width * height > limit:
         kind = ' in a progressive JPEG (16 times as many in a baseline one, as cameras write)' if jpeg else ''
         raise TooLarge(f'the image has {width}x{height} pixels; at most {limit} are served{kind}')
+    if math.prod(tile) > MAX_PIXELS:
+        raise TooLarge(f'the TIFF has tiles of {tile[0]}x{tile[1]} pixels; at most {MAX_PIXELS} are read at once')
     if scans > MAX_SCANS:
         raise TooLarge(f'the JPEG has over {MAX_SCANS} scans; at most that many are read (a progressive one has '
                        f'about 10)')

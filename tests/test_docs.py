@@ -263,6 +263,7 @@ def test_serving_limits_are_the_codes():
     assert serve.MAX_HEAD_BYTES == 16 * 2**10 and '| request line and headers | 16 KiB' in text
     assert framing.MAX_IMAGES == 16 and '| images in one request | 16 |' in text
     assert framing.MAX_SCANS == 100 and '| scans of a JPEG | 100: ' in text
+    assert framing.MAX_PIXELS == 4096 * 4096 and '| a tile of a TIFF | 4096 x 4096 pixels' in text
     assert serve.SPREAD_CHECK == 100 and 'every 100 replies a worker counts the connections that sent 3' in (
         ' '.join(text.split()))
     page = (ROOT / 'page' / 'index.html').read_text()

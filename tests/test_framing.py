@@ -229,6 +229,26 @@ def test_a_progressive_jpeg_is_served_up_to_max_pixels_and_a_cameras_up_to_16_ti
             framing.decode(held_whole)
 
 
+def tiled_tiff(width, height, tile_width, tile_length):
+    """A white grey TIFF of one tile, deflated: 150 bytes or so, whatever the tile's size."""
+    data = zlib.compress(b'\xff' * (tile_width * tile_length))
+    tags = [(256, width), (257, height), (258, 8), (259, 8), (262, 1), (277, 1), (322, tile_width), (323, tile_length),
+            (324, 8 + 2 + 10 * 12 + 4), (325, len(data))]  # 324: the tile's offset, after this directory
+    directory = struct.pack('<H', len(tags)) + b''.join(struct.pack('<HHII', tag, 4, 1, value) for tag, value in tags)
+    return b'II*\x00' + struct.pack('<I', 8) + directory + struct.pack('<I', 0) + data
+
+
+def test_a_tiff_of_tiles_over_max_pixels_is_refused_before_it_is_decoded():
+    """libtiff allocates a whole tile at once, whatever the image's size: a 218-byte 256x256 TIFF claiming tiles of
+    32768x65520 grew a process by 1 GiB."""
+    assert framing.decode(tiled_tiff(200, 200, 256, 256)).size == (200, 200)
+    assert framing.decode(tiled_tiff(100, 100, 4096, 4096)).size == (100, 100), 'a tile of MAX_PIXELS is read'
+    truncated = tiled_tiff(100, 100, 4096, 4112)[:-10]  # sides: multiples of 16; decoded, it would be Damaged
+    with pytest.raises(framing.TooLarge, match='^the TIFF has tiles of 4096x4112 pixels; at most 16777216 are read'):
+        framing.decode(truncated)
+    assert len(tiled_tiff(100, 100, 4096, 4112)) < 20_000
+
+
 def png_header(width, height):
     """A grey PNG's header and no pixels: what a picture claims to be, in 45 bytes."""
     chunks = [(b'IHDR', struct.pack('>IIBBBBB', width, height, 8, 0, 0, 0, 0)), (b'IDAT', b'')]

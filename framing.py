@@ -113,11 +113,10 @@ def jpeg_scans(data):
             continue
         if marker in (0xC0, 0xC1, 0xC2):  # a frame header: baseline, extended or progressive (others: not streamed)
             frame, components = marker, data[k + 9:k + 10]
-        elif marker == 0xDA:  # a scan
+        segment, k = k, k + 2 + int.from_bytes(data[k + 2:k + 4], 'big')
+        if marker == 0xDA:  # a scan, whose data runs to the next marker
             scans += 1
-            streamed = scans == 1 and frame in (0xC0, 0xC1) and data[k + 4:k + 5] == components
-        k += 2 + int.from_bytes(data[k + 2:k + 4], 'big')
-        if marker == 0xDA:  # its data runs to the next marker
+            streamed = scans == 1 and frame in (0xC0, 0xC1) and data[segment + 4:segment + 5] == components
             end = SCAN_END.search(data, k)
             k = end.start() if end else len(data)
     return scans, streamed

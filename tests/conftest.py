@@ -8,11 +8,13 @@ import re
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -99,6 +101,13 @@ class Mirror(http.server.ThreadingHTTPServer):
     def close(self):
         self.shutdown()
         self.server_close()
+
+
+def png_header(width, height):
+    """A grey PNG's header and no pixels: what a picture claims to be, in 45 bytes."""
+    chunks = [(b'IHDR', struct.pack('>IIBBBBB', width, height, 8, 0, 0, 0, 0)), (b'IDAT', b'')]
+    return b'\x89PNG\r\n\x1a\n' + b''.join(struct.pack('>I', len(data)) + kind + data
+                                          + struct.pack('>I', zlib.crc32(kind + data)) for kind, data in chunks)
 
 
 @pytest.fixture(scope='session')

@@ -11,6 +11,7 @@ from torchvision import datasets
 
 import framing
 import mnist_train  # its transform: what the model was trained on
+from conftest import png_header
 
 
 def encode(image, fmt='PNG', **options):
@@ -247,13 +248,6 @@ def test_a_tiff_of_tiles_over_max_pixels_is_refused_before_it_is_decoded():
     with pytest.raises(framing.TooLarge, match='^the TIFF has tiles of 4096x4112 pixels; at most 16777216 are read'):
         framing.decode(truncated)
     assert len(tiled_tiff(100, 100, 4096, 4112)) < 20_000
-
-
-def png_header(width, height):
-    """A grey PNG's header and no pixels: what a picture claims to be, in 45 bytes."""
-    chunks = [(b'IHDR', struct.pack('>IIBBBBB', width, height, 8, 0, 0, 0, 0)), (b'IDAT', b'')]
-    return b'\x89PNG\r\n\x1a\n' + b''.join(struct.pack('>I', len(data)) + kind + data
-                                          + struct.pack('>I', zlib.crc32(kind + data)) for kind, data in chunks)
 
 
 def test_pixel_count_reads_the_header_only():

@@ -7,13 +7,11 @@ import json
 import os
 import re
 import socket
-import struct
 import sys
 import threading
 import urllib.error
 import urllib.request
 import uuid
-import zlib
 
 import numpy as np
 import pytest
@@ -24,7 +22,7 @@ from torchvision import datasets
 import common
 import framing
 import mnist_train  # its transform: what the model was trained on
-from conftest import ROOT, free_port, run, run_into_a_closed_pipe, serving, skip_on_windows_pipes
+from conftest import ROOT, free_port, png_header, run, run_into_a_closed_pipe, serving, skip_on_windows_pipes
 
 SERVE = ROOT / 'serve.py'
 
@@ -169,9 +167,7 @@ def test_predict_files_without_a_server(model_file, mnist_dir, tmp_path):
     returncode, alone, _ = run([sys.executable, SERVE, '--model', model_file, '--predict', tmp_path / 'digit.png'],
                                check=False)
     assert returncode == 0 and re.fullmatch(rf'{tmp_path}/digit.png: {expected} \(\d+\.\d%\)\n', alone)
-    chunks = [b'IHDR' + struct.pack('>IIBBBBB', 20000, 15000, 8, 0, 0, 0, 0), b'IDAT']  # a header, no pixels
-    (tmp_path / 'huge.png').write_bytes(b'\x89PNG\r\n\x1a\n' + b''.join(  # Pillow warns of so many, then refused
-        struct.pack('>I', len(chunk) - 4) + chunk + struct.pack('>I', zlib.crc32(chunk)) for chunk in chunks))
+    (tmp_path / 'huge.png').write_bytes(png_header(20000, 15000))  # Pillow warns of so many pixels, then refused
     returncode, stdout, stderr = run([sys.executable, SERVE, '--model', model_file, '--predict',
                                       tmp_path / 'digit.png', tmp_path / 'notes.txt', tmp_path / 'huge.png'],
                                      check=False)

@@ -87,8 +87,9 @@ def parse_args():
     parser.add_argument('--deadline', type=common.positive(float), default=10,
                         help='seconds to answer a request once its body is in; then 503 or 504 (default: %(default)s)')
     parser.add_argument('--worker-timeout', type=common.positive(int), default=30,
-                        help='seconds a worker process may stop answering (a stuck event loop, a stopped process) '
-                             'before it is killed and replaced (default: %(default)s)')
+                        help='seconds a worker process may stop answering (a stuck event loop, a stopped process), '
+                             'or a prediction thread stay on a request past its deadline, before the worker is '
+                             'replaced (default: %(default)s)')
     parser.add_argument('--grace', type=common.positive(float), default=30,
                         help='seconds to finish the requests in progress on SIGTERM or Ctrl-C (default: %(default)s)')
     parser.add_argument('--predict', nargs='+', metavar='FILE', help='print the digit of each image and exit')
@@ -234,10 +235,20 @@ class App:
             return work.result()
         queued = job.cancel()  # a job not begun is never run (one begun stops at its next image: above)
         work.add_done_callback(lambda future: future.cancelled() or future.exception())  # its end goes unread
+        if not queued and sys.platform != 'win32':  # Windows: the only process, never replaced
+            asyncio.get_running_loop().call_later(self.args.worker_timeout, self.end_if_stuck, job)
         if gone in done:
             raise ConnectionResetError
         raise Refused(503 if queued else 504, f'the image(s) were not read within {self.args.deadline:g}s; try '
                                               f'again, or send smaller images', **{'retry-after': '1'})
+
+    def end_if_stuck(self, job):
+        """A thread still on a dropped job --worker-timeout seconds later is stuck (a decoder's endless loop), which
+        Gunicorn's heartbeat, sent from the event loop, does not show: this worker stops; Gunicorn starts another."""
+        if not job.done():
+            sys.stderr.write(f'error: a prediction thread of worker process {os.getpid()} is stuck on a request '
+                             f'dropped {self.args.worker_timeout}s ago; the worker stops and another takes its place\n')
+            os.kill(os.getpid(), signal.SIGTERM)  # a graceful stop: the other requests in progress are answered
 
 
 async def read_body(receive, deadline, timeout):

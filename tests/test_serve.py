@@ -339,7 +339,8 @@ def test_work_that_fails_after_its_deadline_leaves_no_error_in_the_log(monkeypat
         threading.Event().wait(2)  # still reading long after the deadline
         raise framing.Refused(400, 'the image cannot be decoded')
     monkeypatch.setattr(serve.framing, 'answer', fails_slowly)
-    app = serve.App(None, argparse.Namespace(threads=1, deadline=1), 1)  # a second to begin: begun on any machine
+    # a second to begin: begun on any machine
+    app = serve.App(None, argparse.Namespace(threads=1, deadline=1, worker_timeout=30), 1)
 
     async def never_disconnects():
         await asyncio.Event().wait()

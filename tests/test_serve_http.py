@@ -31,14 +31,30 @@ SERVE = ROOT / 'serve.py'
 STARTED = []  # servers a test started: none outlives its test, even one whose assertion failed
 
 
+RUN_SERVE_PY = 'sys.argv[0] = sys.argv[1]; del sys.argv[1]; runpy.run_path(sys.argv[0], run_name="__main__")'
 # serve.py as on Windows, here on Linux: told it is on Windows once torch and uvicorn are imported (no Gunicorn)
-AS_ON_WINDOWS = ('import multiprocessing.sharedctypes, runpy, sys, torch, uvicorn; sys.platform = "win32"; '
-                 'sys.argv[0] = sys.argv[1]; del sys.argv[1]; runpy.run_path(sys.argv[0], run_name="__main__")')
+AS_ON_WINDOWS = ('import multiprocessing.sharedctypes, runpy, sys, torch, uvicorn; sys.platform = "win32"; ' +
+                 RUN_SERVE_PY)
+# serve.py with a decoder that takes 2 s for a picture that begins with b'slow', and never returns for one that begins
+# with b'stuck', as an endless loop in a decoder's C code would (none is known): the event loop turns on meanwhile
+WITH_A_DECODER_THAT_STICKS = f'''
+import framing, runpy, sys, threading, time
+read_image = framing.read_image
+def stalling(data):
+    if data.startswith(b'slow'):
+        time.sleep(2)
+    if data.startswith(b'stuck'):
+        threading.Event().wait()
+    return read_image(data)
+framing.read_image = stalling
+{RUN_SERVE_PY}'''
 
 
-def serve(model_file, *flags, as_on_windows=False, env=None):
+def serve(model_file, *flags, as_on_windows=False, env=None, launch=None):
+    """(proc, reader, port) of serve.py serving on a free port; launch: Python code that runs it, changed."""
     port = free_port()
-    launcher = [sys.executable, '-c', AS_ON_WINDOWS] if as_on_windows else [sys.executable]
+    launch = launch or (AS_ON_WINDOWS if as_on_windows else None)
+    launcher = [sys.executable, '-c', launch] if launch else [sys.executable]
     proc, reader = start([*launcher, SERVE, '--model', model_file, '--port', str(port), *flags], env=env)
     STARTED.append(proc)
     reader.wait_for(lambda line: line.startswith('Serving'), timeout=60)
@@ -787,6 +803,35 @@ def test_a_stopped_worker_is_killed_and_replaced_while_the_other_answers(model_f
     assert set(statuses) == {200} and len(statuses) > 10, statuses
     assert reader.wait_for(lambda line: 'WORKER TIMEOUT' in line).endswith(f'WORKER TIMEOUT (pid:{victim})\n')
     assert victim not in answering(port, 2)
+
+
+@pytest.mark.skipif(sys.platform != 'linux', reason='reads the worker processes from /proc')
+def test_a_worker_whose_prediction_thread_is_stuck_is_replaced_and_one_merely_slow_is_not(model_file):
+    """A prediction thread still on a request --worker-timeout seconds after its deadline is stuck; the worker's
+    event loop turns on (its heartbeat too), so the worker stops itself, gracefully, and Gunicorn starts another.
+    A thread that ends before then changes nothing. Pictures over 64 KiB are read on the prediction thread."""
+    proc, reader, port = serve(model_file, '--workers', '1', '--deadline', '1', '--worker-timeout', '4',
+                               launch=WITH_A_DECODER_THAT_STICKS)
+    first, = answering(port, 1)
+    assert post(port, b'slow' + bytes(65536))[0] == 504
+    time.sleep(5)  # past the slow job's end (2 s) and its check (--deadline + --worker-timeout: 5 s)
+    assert post(port, png(2, size=300))[0] == 200  # on the prediction thread
+    assert answering(port, 1) == {first} == workers_of(proc)
+    assert post(port, b'stuck' + bytes(65536))[0] == 504
+    statuses, deadline = [], time.monotonic() + 60
+    while first in workers_of(proc) or not workers_of(proc):
+        assert time.monotonic() < deadline, 'the stuck worker still there after 60 s'
+        statuses.append(post(port, png(1))[0])  # MNIST-sized: read on the event loop, which turns on
+        time.sleep(0.05)
+    assert set(statuses) == {200} and len(statuses) > 10, statuses
+    second, = answering(port, 1)
+    assert second != first and post(port, png(2, size=300))[0] == 200  # a new prediction thread
+    assert reader.wait_for(lambda line: 'stuck' in line) == (
+        f'error: a prediction thread of worker process {first} is stuck on a request dropped 4s ago; the worker '
+        f'stops and another takes its place\n')
+    proc.terminate()
+    assert proc.wait(timeout=30) == 0
+    assert 'Worker (pid:' not in reader.rest(), 'Gunicorn saw the stuck worker end as it should: exit 0'
 
 
 @pytest.mark.skipif(sys.platform != 'linux', reason='reads the worker processes from /proc')

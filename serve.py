@@ -309,6 +309,12 @@ class Worker(UvicornWorker):
         except SystemExit as e:  # a stop, once asyncio has cleaned up: no Python clean-up (0.5 s with torch loaded)
             os._exit(e.code or 0)
 
+    def notify(self):  # the heartbeat, sent from the event loop every --worker-timeout/2 seconds
+        super().notify()
+        if os.getppid() != self.ppid:  # the master is gone (kill -9): nothing replaces this worker or stops it
+            sys.stderr.write(f'warning: the master process {self.ppid} is gone; worker process {os.getpid()} stops\n')
+            os.kill(os.getpid(), signal.SIGTERM)  # gracefully, as Gunicorn's own workers stop then
+
 
 class Master(Arbiter):
     """Gunicorn's master process, saying what a stop waits for. Ctrl-C and SIGHUP (its terminal closed) stop as

@@ -835,6 +835,40 @@ def test_a_worker_whose_prediction_thread_is_stuck_is_replaced_and_one_merely_sl
 
 
 @pytest.mark.skipif(sys.platform != 'linux', reason='reads the worker processes from /proc')
+def test_the_workers_of_a_killed_master_stop_and_the_port_is_free_again(model_file):
+    """kill -9 of Gunicorn's master reaches it alone; its workers hold the listening socket. Each stops once its
+    heartbeat (every --worker-timeout/2 seconds) finds the master gone, as Gunicorn's own workers do, and the next
+    start on the port serves (before: the workers served on for ever, and the next start failed, port in use)."""
+    proc, reader, port = serve(model_file, '--workers', '2', '--worker-timeout', '2')
+    workers = answering(port, 2)
+    master = proc.pid
+    proc.kill()
+    proc.wait()
+    try:
+        stopping = {reader.wait_for(lambda line: line.startswith('warning: the master')) for _ in workers}
+        assert stopping == {f'warning: the master process {master} is gone; worker process {pid} stops\n'
+                            for pid in workers}
+        deadline = time.monotonic() + 30
+        while any(running(pid) for pid in workers):
+            assert time.monotonic() < deadline, 'a worker of the killed master still running 30 s later'
+            time.sleep(0.1)
+        with serving([sys.executable, SERVE, '--model', model_file, '--port', str(port)]):
+            assert post(port, png(1))[0] == 200
+    finally:
+        for pid in workers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def running(pid):
+    """Whether the process is there and not a zombie (ended, not yet reaped by whoever inherited it)."""
+    try:
+        return not re.search(r'^State:\s+Z', open(f'/proc/{pid}/status').read(), re.M)
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(sys.platform != 'linux', reason='reads the worker processes from /proc')
 def test_a_stop_kills_a_worker_still_there_a_second_past_the_grace(model_file):
     """A worker whose event loop is stuck (here: stopped) never ends on the stop's SIGTERM: Gunicorn kills it once
     --grace and a second have passed (whole seconds), and the service exits 0."""

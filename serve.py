@@ -277,11 +277,14 @@ async def read_body(receive, deadline, timeout):
 
 
 def check_address(host, port):
-    """Gunicorn's bind for host:port, once it is known to be free here, or SetupError in one line. IPv6 where the host
-    has a ':', as Gunicorn and uvicorn bind."""
+    """Gunicorn's bind for host:port, once it is known to be free here (or the socket handed down), or SetupError in
+    one line. IPv6 where the host has a ':', as Gunicorn and uvicorn bind."""
     if not 0 <= port <= 65535:
         raise common.SetupError(f'--port {port} is not a port: pass one from 1 to 65535 (or 0 for any free one).')
     family = socket.AF_INET6 if ':' in host else socket.AF_INET
+    bind = f'[{host}]:{port}' if family == socket.AF_INET6 else f'{host}:{port}'
+    if 'GUNICORN_FD' in os.environ:  # a new master started by Gunicorn's USR2: it takes the old one's socket
+        return bind
     with socket.socket(family) as probe:  # the server binds it once more, as Gunicorn does
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
@@ -294,7 +297,7 @@ def check_address(host, port):
                       errno.EACCES: 'the port needs privileges (below 1024: root, on Linux); pass another --port'
                       }.get(e.errno, 'pass --host with an address of this machine, or 0.0.0.0')
             raise common.SetupError(f'cannot listen on {host}:{port} ({e.strerror}); {advice}.') from None
-    return f'[{host}]:{port}' if family == socket.AF_INET6 else f'{host}:{port}'
+    return bind
 
 
 class Worker(UvicornWorker):

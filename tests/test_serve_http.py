@@ -846,7 +846,7 @@ def test_the_workers_of_a_killed_master_stop_and_the_port_is_free_again(model_fi
     """kill -9 of Gunicorn's master reaches it alone; its workers hold the listening socket. Each stops once its
     heartbeat (every --worker-timeout/2 seconds) finds the master gone, as Gunicorn's own workers do, and the next
     start on the port serves (before: the workers served on for ever, and the next start failed, port in use)."""
-    proc, reader, port = serve(model_file, '--workers', '2', '--worker-timeout', '2')
+    proc, reader, port = serve(model_file, '--workers', '2', '--worker-timeout', '4')  # a heartbeat every 2 s
     workers = answering(port, 2)
     master = proc.pid
     proc.kill()

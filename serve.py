@@ -383,7 +383,9 @@ def serve(model, args):
 
     def pre_fork(arbiter, worker):  # a slot of the counts for each worker, reused once its worker has gone
         taken = {other.slot for other in arbiter.WORKERS.values()}
-        worker.slot = app.slot = next(k for k in range(len(app.counts)) if k not in taken)  # app.slot: the fork's copy
+        # app.slot: the fork's copy. Past 1024 workers added by TTIN they share the last slot (StopIteration here
+        # would make Gunicorn stop the service)
+        worker.slot = app.slot = next((k for k in range(len(app.counts)) if k not in taken), len(app.counts) - 1)
         app.counts[worker.slot] = app.held[worker.slot] = 0
 
     def end_worker(signum, frame):

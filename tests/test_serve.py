@@ -383,6 +383,9 @@ def test_each_worker_is_forked_with_a_slot_of_its_own_and_a_replacement_reuses_a
     del arbiter.WORKERS[0]
     pre_fork(arbiter, workers[2])
     assert app.slot == workers[2].slot == 0 and app.counts[0] == app.held[0] == 0
+    arbiter.WORKERS = {pid: argparse.Namespace(slot=pid) for pid in range(len(app.counts))}  # 1024 added by TTIN
+    pre_fork(arbiter, workers[0])  # one more: it shares the last slot (StopIteration would stop the service)
+    assert workers[0].slot == app.slot == len(app.counts) - 1 and len(app.counts) == 2 + 1024
 
 
 def test_the_default_workers_are_the_usable_cpus_and_one_on_windows(monkeypatch):

@@ -358,7 +358,8 @@ def test_work_that_fails_after_its_deadline_leaves_no_error_in_the_log(monkeypat
 @pytest.mark.skipif(sys.platform == 'win32', reason='Gunicorn, whose hook this is, does not run on Windows')
 def test_each_worker_is_forked_with_a_slot_of_its_own_and_a_replacement_reuses_a_freed_one(monkeypatch):
     """Gunicorn's pre_fork hook of serve.serve, called as Gunicorn's master calls it before each fork: the App the
-    worker is forked with (a copy) holds the worker's slot of the shared counts, and a freed slot is reused, zeroed."""
+    worker is forked with (a copy) holds the worker's slot of the shared counts, and a freed slot is reused, zeroed;
+    once every slot is taken, the last one is shared."""
     import serve
     services = []
 

@@ -109,7 +109,8 @@ class App:
         self.counts, self.held = multiprocessing.RawArray('i', slots), multiprocessing.RawArray('i', slots)
         self.clients, self.replies = collections.Counter(), 0  # replies by connection, and in all
         self.pool = concurrent.futures.ThreadPoolExecutor(args.threads, thread_name_prefix='predict')
-        self.waiting, self.budget, self.room = 0, BODY_BUDGET, None  # room: made in the worker, by body_room
+        self.waiting, self.budget = 0, BODY_BUDGET
+        self.room = asyncio.Condition()  # told when bytes of the budget come free; bound to the worker's event loop
 
     async def __call__(self, scope, receive, send):  # an HTTP request: no lifespan events, no WebSockets (Worker)
         started = time.perf_counter()
@@ -194,7 +195,6 @@ class App:
     @contextlib.asynccontextmanager
     async def body_room(self, size, deadline):
         """Hold size bytes of the body budget while a body is read and answered; wait for them until the deadline."""
-        self.room = self.room or asyncio.Condition()  # in the worker's event loop: Python 3.9 binds it where it is made
         if self.budget < size:
             try:
                 async with self.room:

@@ -35,15 +35,21 @@ class SetupError(Exception):
     """
 
 
-def positive(kind):
-    """argparse type: a number of the given kind that is greater than zero."""
+# The most seconds a timeout flag takes, about 32 years: 'inf' or 1e99 meant "never", and crashed where the
+# seconds become a timedelta (at most 8.64e13) or a timer
+MAX_SECONDS = 10 ** 9
+
+
+def positive(kind, most=None):
+    """argparse type: a number of the given kind that is greater than zero, and at most `most` if given."""
     def parse(text):
         try:
             value = kind(text)
         except ValueError:
             value = None
-        if value is None or not value > 0:
-            raise argparse.ArgumentTypeError(f'must be a positive {kind.__name__}, got {text!r}')
+        if value is None or not value > 0 or (most is not None and not value <= most):
+            bound = f' of at most {most:,}' if most is not None else ''
+            raise argparse.ArgumentTypeError(f'must be a positive {kind.__name__}{bound}, got {text!r}')
         return value
     return parse
 

@@ -71,9 +71,9 @@ def parse_args():
                              'cuda means GPU LOCAL_RANK (default: cuda if available, else cpu)')
     parser.add_argument('--backend', choices=['nccl', 'gloo'],
                         help='process-group backend (default: nccl on cuda, gloo on cpu)')
-    parser.add_argument('--join-timeout', type=common.positive(float), default=1800,
+    parser.add_argument('--join-timeout', type=common.positive(float, most=common.MAX_SECONDS), default=1800,
                         help='seconds to wait for every process of the job to start and connect (default: 1800)')
-    parser.add_argument('--collective-timeout', type=common.positive(float), default=300,
+    parser.add_argument('--collective-timeout', type=common.positive(float, most=common.MAX_SECONDS), default=300,
                         help='seconds a step may wait for the other processes (an epoch takes seconds) before the '
                              'job stops, naming the one that stopped answering (default: 300)')
     parser.add_argument('--no-resume', action='store_true',

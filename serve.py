@@ -82,15 +82,15 @@ def parse_args():
                         help='worker processes (default: the CPUs this process may use, %(default)s)')
     parser.add_argument('--threads', type=common.positive(int), default=1,
                         help='threads of each worker that read images and run the model (default: %(default)s)')
-    parser.add_argument('--timeout', type=common.positive(float), default=30,
+    parser.add_argument('--timeout', type=common.positive(float, most=common.MAX_SECONDS), default=30,
                         help='seconds a client may take to send a request body (default: %(default)s)')
-    parser.add_argument('--deadline', type=common.positive(float), default=10,
+    parser.add_argument('--deadline', type=common.positive(float, most=common.MAX_SECONDS), default=10,
                         help='seconds to answer a request once its body is in; then 503 or 504 (default: %(default)s)')
-    parser.add_argument('--worker-timeout', type=common.positive(int), default=30,
+    parser.add_argument('--worker-timeout', type=common.positive(int, most=common.MAX_SECONDS), default=30,
                         help='seconds a worker process may stop answering (a stuck event loop, a stopped process), '
                              'or a prediction thread stay on a request past its deadline, before the worker is '
                              'replaced (default: %(default)s)')
-    parser.add_argument('--grace', type=common.positive(float), default=30,
+    parser.add_argument('--grace', type=common.positive(float, most=common.MAX_SECONDS), default=30,
                         help='seconds to finish the requests in progress on SIGTERM or Ctrl-C (default: %(default)s)')
     parser.add_argument('--predict', nargs='+', metavar='FILE', help='print the digit of each image and exit')
     parser.add_argument('--debug', action='store_true', help='show tracebacks for start-up errors (default: off)')

@@ -180,6 +180,15 @@ def test_positive_rejects_zero_negative_and_text():
             parse(text)
 
 
+def test_positive_takes_values_up_to_its_most_and_names_a_larger_one():
+    assert common.positive(float, most=common.MAX_SECONDS)('1e9') == 1e9
+    assert common.positive(int, most=5)('5') == 5
+    for text in ('inf', '1e99', '1000000000.5', 'nan'):
+        with pytest.raises(argparse.ArgumentTypeError, match=rf"positive float of at most 1,000,000,000, got '{text}'"):
+            common.positive(float, most=common.MAX_SECONDS)(text)
+    assert common.positive(float)('inf') == float('inf')  # --lr: no bound; a loss gone nan says what to do
+
+
 def test_positive_takes_the_smallest_values_and_names_the_bad_one():
     assert common.positive(int)('1') == 1 and common.positive(float)('0.001') == 0.001
     with pytest.raises(argparse.ArgumentTypeError, match=r"must be a positive int, got '0'"):

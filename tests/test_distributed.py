@@ -43,9 +43,14 @@ def check_result(stdout, out, epochs, world_size):
 
 def test_two_processes_on_one_node(mnist_dir, tmp_path):
     out = tmp_path / 'out'
-    _, stdout, _ = run(torchrun('--standalone', '--nproc_per_node=2', SCRIPT,
-                                '--data-dir', mnist_dir, '--output-dir', out, '--epochs', '2', *FAST))
+    # The largest timeouts the flags take: they become timedeltas and timeouts of torch's store, whose limits they
+    # are within (1e20 s crashed in TCPStore)
+    most = str(common.MAX_SECONDS)
+    _, stdout, _ = run(torchrun('--standalone', '--nproc_per_node=2', SCRIPT, '--data-dir', mnist_dir,
+                                '--output-dir', out, '--epochs', '2', '--join-timeout', most,
+                                '--collective-timeout', most, *FAST))
     check_result(stdout, out, epochs=2, world_size=2)
+    assert 'as rank 1 of 2 (waiting up to 1000000000s for all ranks)' in stdout
     assert '[320/640 (50%)]' in stdout  # batch 10 of 20 per rank: 10 * 16 * 2 samples seen
     accuracy = float(re.findall(r'Model saved with accuracy: (\d+\.\d+)%', stdout)[-1])
     assert accuracy > 50

@@ -398,9 +398,14 @@ def test_the_default_workers_are_the_usable_cpus_and_one_on_windows(monkeypatch)
     assert serve.parse_args().workers == 1
 
 
+SECONDS = 'float of at most 1,000,000,000'  # a timeout flag names its range
+
+
 @pytest.mark.parametrize('flag, value, kind', [
-    ('--workers', '0', 'int'), ('--threads', '0', 'int'), ('--timeout', '0', 'float'), ('--deadline', '-1', 'float'),
-    ('--worker-timeout', '1.5', 'int'), ('--grace', 'soon', 'float')])
+    ('--workers', '0', 'int'), ('--threads', '0', 'int'), ('--timeout', '0', SECONDS), ('--deadline', '-1', SECONDS),
+    ('--worker-timeout', '1.5', 'int of at most 1,000,000,000'), ('--grace', 'soon', SECONDS),
+    ('--grace', 'inf', SECONDS), ('--timeout', '1e99', SECONDS),
+    ('--worker-timeout', '1000000001', 'int of at most 1,000,000,000')])
 def test_a_flag_value_that_is_no_positive_number_is_named(monkeypatch, capsys, flag, value, kind):
     import serve
     monkeypatch.setattr(sys, 'argv', ['serve.py', flag, value])

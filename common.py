@@ -54,6 +54,14 @@ def positive(kind, most=None):
     return parse
 
 
+def seed(text):
+    """argparse type of --seed: an integer torch seeds with, seed + epoch too: from -2**63 to 2**63 - 1."""
+    value = int(text)  # not an integer: argparse says "invalid seed value"
+    if not -2 ** 63 <= value < 2 ** 63:
+        raise argparse.ArgumentTypeError(f'must be from -2**63 to 2**63 - 1, got {text!r}')
+    return value
+
+
 def check_device(name):
     """torch.device(name), or SetupError if it is not a device or not available on this machine."""
     try:

@@ -51,7 +51,7 @@ def parse_args():
                         help='batches between training-loss lines (default: 100)')
     parser.add_argument('--val-batch-size', type=common.positive(int), default=1000,
                         help='validation batch size; does not change the results (default: 1000)')
-    parser.add_argument('--seed', type=int, default=0,
+    parser.add_argument('--seed', type=common.seed, default=0,
                         help='seed for the initial weights and the data order (default: 0)')
     parser.add_argument('--device', default='cuda' if torch.cuda.is_available() else 'cpu',
                         help='cpu, cuda, and in the single script also cuda:N or mps; in the distributed script '

@@ -189,6 +189,17 @@ def test_positive_takes_values_up_to_its_most_and_names_a_larger_one():
     assert common.positive(float)('inf') == float('inf')  # --lr: no bound; a loss gone nan says what to do
 
 
+def test_seed_takes_what_torch_seeds_with_and_names_the_range_past_it():
+    for value in (0, -2 ** 63, 2 ** 63 - 1):
+        assert common.seed(str(value)) == value
+    torch.Generator().manual_seed(2 ** 63 - 1 + 1000)  # seed + epoch: torch takes it
+    for text in ('-9223372036854775809', '9223372036854775808'):
+        with pytest.raises(argparse.ArgumentTypeError, match=rf"must be from -2\*\*63 to 2\*\*63 - 1, got '{text}'"):
+            common.seed(text)
+    with pytest.raises(ValueError):
+        common.seed('1.5')
+
+
 def test_positive_takes_the_smallest_values_and_names_the_bad_one():
     assert common.positive(int)('1') == 1 and common.positive(float)('0.001') == 0.001
     with pytest.raises(argparse.ArgumentTypeError, match=r"must be a positive int, got '0'"):

@@ -117,6 +117,8 @@ def test_checkpoint_of_another_model_is_refused_in_the_distributed_script(mnist_
     (train_cmd, '--epochs', '0', "argument --epochs: must be a positive int, got '0'"),
     (dist_cmd, '--batch-size', '-64', "argument --batch-size: must be a positive int, got '-64'"),
     (train_cmd, '--lr', '0', "argument --lr: must be a positive float, got '0'"),
+    (train_cmd, '--seed', '1' + '0' * 23, f"argument --seed: must be from -2**63 to 2**63 - 1, got '1{'0' * 23}'"),
+    (dist_cmd, '--seed', 'x', "argument --seed: invalid seed value: 'x'"),
     (dist_cmd, '--join-timeout', 'inf', "argument --join-timeout: must be a positive float of at most 1,000,000,000, "
                                         "got 'inf'"),
     (dist_cmd, '--collective-timeout', '1e20', "argument --collective-timeout: must be a positive float of at most "

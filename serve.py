@@ -431,9 +431,9 @@ def main(args):
     for path in args.predict:
         try:
             with open(path, 'rb') as f:
-                digits, probabilities = framing.predict(model, framing.mnist_tensor(framing.read_image(f.read())))
-        except (OSError, Refused) as e:
-            print(f'{path}: error: {e}', file=sys.stderr)
+                digits, probabilities = framing.predict(model, framing.mnist_tensor(framing.to_mnist(f.read())))
+        except (OSError, ValueError) as e:  # unreadable; or framing's: not an image, damaged, too large, no digit
+            print(f'{path}: error: {getattr(e, "strerror", None) or e}', file=sys.stderr)
             failed = True
         else:  # not in the try: a closed output (| head) is no error of the image
             print(f'{path}: {digits[0]} ({max(probabilities[0]):.1%})')

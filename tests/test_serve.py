@@ -168,13 +168,14 @@ def test_predict_files_without_a_server(model_file, mnist_dir, tmp_path):
                                check=False)
     assert returncode == 0 and re.fullmatch(rf'{tmp_path}/digit.png: {expected} \(\d+\.\d%\)\n', alone)
     (tmp_path / 'huge.png').write_bytes(png_header(20000, 15000))  # Pillow warns of so many pixels, then refused
-    returncode, stdout, stderr = run([sys.executable, SERVE, '--model', model_file, '--predict',
-                                      tmp_path / 'digit.png', tmp_path / 'notes.txt', tmp_path / 'huge.png'],
+    returncode, stdout, stderr = run([sys.executable, SERVE, '--model', model_file, '--predict', tmp_path / 'digit.png',
+                                      tmp_path / 'notes.txt', tmp_path / 'gone.png', tmp_path / 'huge.png'],
                                      check=False)
     assert returncode == 1 and stdout == alone  # one file's error: exit 1, the others printed
-    assert stderr.startswith(f'{tmp_path}/notes.txt: error: the body is not an image in a format served')
+    assert stderr.startswith(f'{tmp_path}/notes.txt: error: not an image in a format served (PNG, JPEG, ')
+    assert f'\n{tmp_path}/gone.png: error: No such file or directory\n' in stderr
     assert stderr.endswith(f'{tmp_path}/huge.png: error: the image has 20000x15000 pixels; at most 16777216 are '
-                           f'served\n') and len(stderr.splitlines()) == 2, 'no warning of Pillow besides'
+                           f'served\n') and len(stderr.splitlines()) == 3, 'no warning of Pillow besides'
 
 
 @skip_on_windows_pipes

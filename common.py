@@ -480,8 +480,9 @@ def load_checkpoint(args):
         os.makedirs(folder, exist_ok=True)
         with tempfile.TemporaryFile(dir=folder):
             pass
-    except OSError as e:
-        raise SetupError(f'cannot write to the output folder {folder} ({e.strerror}); pass '
+    except OSError as e:  # FileExistsError: a file has the folder's name (makedirs takes an existing folder)
+        reason = 'a file has that name' if isinstance(e, FileExistsError) else e.strerror
+        raise SetupError(f'cannot write to the output folder {folder} ({reason}); pass '
                          f'--output-dir with a folder you can write.' + _laptop_hint(folder)) from None
     claim(folder)
     if args.no_resume or not os.path.exists(checkpoint_path):

@@ -418,8 +418,8 @@ def test_load_checkpoint_refuses_an_output_folder_that_is_a_file(tmp_path, hint)
     (tmp_path / 'out').write_text('')
     with pytest.raises(common.SetupError) as error:
         common.load_checkpoint(args_for(tmp_path / 'out'))
-    assert str(error.value) == (f'cannot write to the output folder {tmp_path}/out (File exists); pass --output-dir '
-                                f'with a folder you can write. [hint for {tmp_path}/out]')
+    assert str(error.value) == (f'cannot write to the output folder {tmp_path}/out (a file has that name); pass '
+                                f'--output-dir with a folder you can write. [hint for {tmp_path}/out]')
 
 
 def test_load_checkpoint_returns_the_checkpoint_unless_no_resume(tmp_path):

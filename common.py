@@ -36,7 +36,7 @@ class SetupError(Exception):
 
 
 # The most seconds a timeout flag takes, about 32 years: 'inf' or 1e99 meant "never", and crashed where the
-# seconds become a timedelta (at most 8.64e13) or a timer
+# seconds become a timedelta (at most 8.64e13 s) or an integer
 MAX_SECONDS = 10 ** 9
 
 

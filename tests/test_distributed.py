@@ -43,8 +43,8 @@ def check_result(stdout, out, epochs, world_size):
 
 def test_two_processes_on_one_node(mnist_dir, tmp_path):
     out = tmp_path / 'out'
-    # The largest timeouts the flags take: they become timedeltas and timeouts of torch's store, whose limits they
-    # are within (1e20 s crashed in TCPStore)
+    # The largest timeouts the flags take: they become timedeltas and timeouts of torch's store, within the limits
+    # of both (1e20 s crashed: a timedelta holds at most 8.64e13 s)
     most = str(common.MAX_SECONDS)
     _, stdout, _ = run(torchrun('--standalone', '--nproc_per_node=2', SCRIPT, '--data-dir', mnist_dir,
                                 '--output-dir', out, '--epochs', '2', '--join-timeout', most,

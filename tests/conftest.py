@@ -176,6 +176,12 @@ def dist_cmd(*args):
     return [sys.executable, ROOT / 'mnist_train_distributed.py', *args]
 
 
+def in_tmp(tmp_path):
+    """--data-dir and --output-dir in tmp_path, for a run meant to stop at a check: one that let it through would
+    otherwise read and write DLC's /mnt/data (as root, even where it is no mount)."""
+    return '--data-dir', tmp_path / 'data', '--output-dir', tmp_path / 'out'
+
+
 def torchrun(*args):
     return [sys.executable, '-m', 'torch.distributed.run', *args]
 

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import common
-from conftest import (ROOT, FILES, Mirror, dist_cmd, event_writers, free_port, gz_files, read_scalars, run, script_env,
-                      start, torchrun, torchrun_report)
+from conftest import (ROOT, FILES, Mirror, dist_cmd, event_writers, free_port, gz_files, in_tmp, read_scalars, run,
+                      script_env, start, torchrun, torchrun_report)
 
 FAST = ('--lr', '0.1', '--batch-size', '16', '--log-interval', '5')
 SCRIPT = ROOT / 'mnist_train_distributed.py'
@@ -306,7 +306,7 @@ def test_plain_python_processes_with_a_launchers_variables_train_together(mnist_
 
 
 def test_slurm_tasks_without_torchrun_are_refused(tmp_path):
-    returncode, stdout, stderr = run(dist_cmd('--output-dir', tmp_path), check=False,
+    returncode, stdout, stderr = run(dist_cmd(*in_tmp(tmp_path)), check=False,
                                      env=script_env(SLURM_NTASKS='4', SLURM_PROCID='1'))
     assert returncode == 1 and 'Traceback' not in stderr and 'Train Epoch' not in stdout
     assert 'error: started by SLURM as 4 tasks without torchrun' in stderr
@@ -318,7 +318,7 @@ def test_slurm_tasks_without_torchrun_are_refused(tmp_path):
 def test_a_rank_left_alone_says_where_it_waits_and_stops_in_time(rank, tmp_path):
     port = free_port()
     env = script_env(RANK=str(rank), WORLD_SIZE='2', LOCAL_RANK='0', MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port))
-    proc, reader = start(dist_cmd('--output-dir', tmp_path, '--join-timeout', '3'), env=env)
+    proc, reader = start(dist_cmd(*in_tmp(tmp_path), '--join-timeout', '3'), env=env)
     line = reader.wait_for(lambda line: line.startswith('Joining'), timeout=30)  # at once, before any wait
     assert line == f'Joining the job at 127.0.0.1:{port} as rank {rank} of 2 (waiting up to 3s for all ranks)\n'
     output = reader.rest(timeout=30)  # the timeout is 3 s: well within 30

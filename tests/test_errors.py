@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from conftest import (dist_cmd, make_mnist, run, run_into_a_closed_pipe, script_env, skip_on_windows_pipes,
+from conftest import (dist_cmd, in_tmp, make_mnist, run, run_into_a_closed_pipe, script_env, skip_on_windows_pipes,
                       train_cmd)
 
 OFFLINE = dict(http_proxy='http://127.0.0.1:9', https_proxy='http://127.0.0.1:9', no_proxy='')
@@ -125,26 +125,26 @@ def test_checkpoint_of_another_model_is_refused_in_the_distributed_script(mnist_
                                                "1,000,000,000, got '1e20'"),
 ])
 def test_invalid_numbers(script, flag, value, message, tmp_path):
-    fails(script(flag, value, '--output-dir', tmp_path), message, code=2)
+    fails(script(flag, value, *in_tmp(tmp_path)), message, code=2)
 
 
 @pytest.mark.one_leg  # torch-independent: argparse
 def test_unknown_backend(tmp_path):
-    fails(dist_cmd('--backend', 'mpi'), "argument --backend: invalid choice: 'mpi'", code=2)
+    fails(dist_cmd('--backend', 'mpi', *in_tmp(tmp_path)), "argument --backend: invalid choice: 'mpi'", code=2)
 
 
 def test_cuda_asked_for_without_cuda(tmp_path):
-    fails(train_cmd('--device', 'cuda', '--output-dir', tmp_path),
+    fails(train_cmd('--device', 'cuda', *in_tmp(tmp_path)),
           '--device cuda was asked for, but this machine has 0 CUDA GPUs')
-    fails(dist_cmd('--backend', 'nccl', '--output-dir', tmp_path), 'needs CUDA, which is not available')
+    fails(dist_cmd('--backend', 'nccl', *in_tmp(tmp_path)), 'needs CUDA, which is not available')
 
 
 @pytest.mark.one_leg  # torch-independent: a start-up error of our own
 def test_half_set_distributed_environment(tmp_path):
-    fails(dist_cmd('--output-dir', tmp_path), 'WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT missing',
+    fails(dist_cmd(*in_tmp(tmp_path)), 'WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT missing',
           env=script_env(RANK='0'))
     # torchrun's per-process variables without the address to meet at:
-    fails(dist_cmd('--output-dir', tmp_path), 'MASTER_ADDR, MASTER_PORT missing', 'Start the script with torchrun',
+    fails(dist_cmd(*in_tmp(tmp_path)), 'MASTER_ADDR, MASTER_PORT missing', 'Start the script with torchrun',
           env=script_env(RANK='0', WORLD_SIZE='2', LOCAL_RANK='0'))
 
 

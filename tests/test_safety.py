@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import common
-from conftest import (ROOT, SIGHUP, Mirror, dist_cmd, free_port, gz_files, make_mnist, run, script_env,
+from conftest import (ROOT, SIGHUP, Mirror, dist_cmd, free_port, gz_files, in_tmp, make_mnist, run, script_env,
                       skip_without_sighup, start, torchrun, torchrun_report, train_cmd)
 
 FAST = ('--lr', '0.1', '--batch-size', '16', '--log-interval', '10')
@@ -333,9 +333,9 @@ def test_a_second_run_into_the_folder_of_a_running_one_stops_and_changes_nothing
 def test_a_device_that_is_not_there_gets_a_clear_message(tmp_path):
     if torch.backends.mps.is_available():
         pytest.skip('this machine has MPS')
-    message = one_paragraph_error(run(train_cmd('--device', 'mps', '--output-dir', tmp_path), check=False))
+    message = one_paragraph_error(run(train_cmd('--device', 'mps', *in_tmp(tmp_path)), check=False))
     assert message.startswith('error: --device mps is not available on this machine (MPS needs a Mac')
-    message = one_paragraph_error(run(dist_cmd('--device', 'mps', '--output-dir', tmp_path), check=False))
+    message = one_paragraph_error(run(dist_cmd('--device', 'mps', *in_tmp(tmp_path)), check=False))
     assert message.startswith('error: --device mps: the distributed script trains on cpu, or on cuda')
 
 

@@ -64,6 +64,7 @@ MAX_HEAD_BYTES = 16384  # the request line and headers; more get uvicorn's 400
 MAX_WAITING = 256  # requests of a worker process waiting for its prediction threads; more get 503
 BODY_BUDGET = 8 * MAX_BODY_BYTES  # bytes of request bodies a worker process holds at once; more wait their turn
 QUICK_BYTES, QUICK_PIXELS = 65536, 28 * 28  # a body and its images this small are read on the event loop
+MAX_WORKERS = 1024  # each has memory of its own: some hundreds filled 24 GiB here; 10**12 hung at start
 SPREAD_CHECK = 100  # replies between a worker's counts of the kept-alive connections it serves
 ROUTES = {'/': ('GET', 'HEAD', 'POST'), '/predict': ('POST',), '/health': ('GET', 'HEAD')}  # POST /: EAS's SDK
 PAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'page', 'index.html')  # GET /: try the model
@@ -77,9 +78,10 @@ def parse_args():
                         help='address to listen on: 0.0.0.0 on EAS, :: for IPv6 (default: %(default)s, local only)')
     parser.add_argument('--port', type=int, default=8000,
                         help='port to listen on; 0 picks a free one (default: %(default)s)')
-    parser.add_argument('--workers', type=common.positive(int),  # Windows: no fork, no graceful stop of a worker
+    parser.add_argument('--workers', type=common.positive(int, most=MAX_WORKERS),  # Windows: no fork, no graceful stop
                         default=1 if sys.platform == 'win32' else common.usable_cpus(),
-                        help='worker processes (default: the CPUs this process may use, %(default)s)')
+                        help=f'worker processes, at most {MAX_WORKERS} (default: the CPUs this process may use, '
+                             f'%(default)s)')
     parser.add_argument('--threads', type=common.positive(int), default=1,
                         help='threads of each worker that read images and run the model (default: %(default)s)')
     parser.add_argument('--timeout', type=common.positive(float, most=common.MAX_SECONDS), default=30,

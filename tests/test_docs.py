@@ -215,6 +215,7 @@ def serve_defaults(monkeypatch):
 
 def test_the_serving_flags_table_names_each_flag_of_serve_py_with_its_default(monkeypatch):
     import common
+    import serve
     defaults = serve_defaults(monkeypatch)
     table = (ROOT / 'docs' / 'serving.md').read_text().split('| flag | default | meaning |')[1].split('\n\n')[0]
     documented = {}
@@ -223,6 +224,7 @@ def test_the_serving_flags_table_names_each_flag_of_serve_py_with_its_default(mo
     assert documented.keys() == defaults.keys()
     assert defaults.pop('--workers') == common.usable_cpus()
     assert documented.pop('--workers') == 'the usable CPUs (1 on Windows)'
+    assert f'each with the model; at most {serve.MAX_WORKERS} |' in table
     for flag, value in defaults.items():
         shown = 'off' if value is False else '' if value is None else value
         assert documented[flag] == (f'{shown:g}' if isinstance(shown, float) else str(shown)), flag

@@ -403,9 +403,10 @@ SECONDS = 'float of at most 1,000,000,000'  # a timeout flag names its range
 
 
 @pytest.mark.parametrize('flag, value, kind', [
-    ('--workers', '0', 'int'), ('--threads', '0', 'int'), ('--timeout', '0', SECONDS), ('--deadline', '-1', SECONDS),
-    ('--worker-timeout', '1.5', 'int of at most 1,000,000,000'), ('--grace', 'soon', SECONDS),
+    ('--workers', '0', 'int of at most 1,024'), ('--workers', '1025', 'int of at most 1,024'),
+    ('--threads', '0', 'int'), ('--timeout', '0', SECONDS), ('--deadline', '-1', SECONDS), ('--grace', 'soon', SECONDS),
     ('--grace', 'inf', SECONDS), ('--timeout', '1e99', SECONDS),
+    ('--worker-timeout', '1.5', 'int of at most 1,000,000,000'),
     ('--worker-timeout', '1000000001', 'int of at most 1,000,000,000')])
 def test_a_flag_value_that_is_no_positive_number_is_named(monkeypatch, capsys, flag, value, kind):
     import serve

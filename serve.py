@@ -433,7 +433,10 @@ def main(args):
     for path in args.predict:
         try:
             with open(path, 'rb') as f:
-                digits, probabilities = framing.predict(model, framing.mnist_tensor(framing.to_mnist(f.read())))
+                data = f.read(MAX_BODY_BYTES + 1)  # what the service reads: /dev/zero would fill the memory
+            if len(data) > MAX_BODY_BYTES:
+                raise ValueError(f'the file has over {MAX_BODY_BYTES} bytes; at most that many are served')
+            digits, probabilities = framing.predict(model, framing.mnist_tensor(framing.to_mnist(data)))
         except (OSError, ValueError) as e:  # unreadable; or framing's: not an image, damaged, too large, no digit
             print(f'{path}: error: {getattr(e, "strerror", None) or e}', file=sys.stderr)
             failed = True

@@ -168,14 +168,18 @@ def test_predict_files_without_a_server(model_file, mnist_dir, tmp_path):
                                check=False)
     assert returncode == 0 and re.fullmatch(rf'{tmp_path}/digit.png: {expected} \(\d+\.\d%\)\n', alone)
     (tmp_path / 'huge.png').write_bytes(png_header(20000, 15000))  # Pillow warns of so many pixels, then refused
+    with open(tmp_path / 'long.png', 'wb') as f:  # read no further than the service would: not /dev/zero for ever
+        f.write(encode(image))
+        f.truncate(10 * 1024 * 1024 + 1)
     returncode, stdout, stderr = run([sys.executable, SERVE, '--model', model_file, '--predict', tmp_path / 'digit.png',
-                                      tmp_path / 'notes.txt', tmp_path / 'gone.png', tmp_path / 'huge.png'],
-                                     check=False)
+                                      tmp_path / 'notes.txt', tmp_path / 'gone.png', tmp_path / 'long.png',
+                                      tmp_path / 'huge.png'], check=False)
     assert returncode == 1 and stdout == alone  # one file's error: exit 1, the others printed
     assert stderr.startswith(f'{tmp_path}/notes.txt: error: not an image in a format served (PNG, JPEG, ')
     assert f'\n{tmp_path}/gone.png: error: No such file or directory\n' in stderr
+    assert f'\n{tmp_path}/long.png: error: the file has over 10485760 bytes; at most that many are served\n' in stderr
     assert stderr.endswith(f'{tmp_path}/huge.png: error: the image has 20000x15000 pixels; at most 16777216 are '
-                           f'served\n') and len(stderr.splitlines()) == 3, 'no warning of Pillow besides'
+                           f'served\n') and len(stderr.splitlines()) == 4, 'no warning of Pillow besides'
 
 
 @skip_on_windows_pipes

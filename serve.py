@@ -43,6 +43,7 @@ try:
             with contextlib.suppress(ImportError):
                 from setproctitle import setproctitle
                 setproctitle(TITLE)
+        import resource
         from gunicorn.app.base import BaseApplication
         from gunicorn.arbiter import Arbiter
         from uvicorn_worker import UvicornWorker
@@ -383,6 +384,8 @@ def serve(model, args):
             server.run(sockets=[sock])
         return 0
 
+    raise_open_files_limit()
+
     def pre_fork(arbiter, worker):  # a slot of the counts for each worker, reused once its worker has gone
         taken = {other.slot for other in arbiter.WORKERS.values()}
         # app.slot: the fork's copy. Past 1024 workers added by TTIN they share the last slot (StopIteration here
@@ -416,6 +419,15 @@ def serve(model, args):
                    args.model, arbiter.LISTENERS[0].sock.getsockname(), args.workers), flush=True)}
     Master(Service(app, options)).run()
     return 0
+
+
+def raise_open_files_limit():
+    """Each connection is an open file: past the soft limit (macOS: 256) a worker closes new ones unanswered. Raised
+    to the hard limit, as Go's runtime does; on macOS to at most OPEN_MAX, 10240, as its setrlimit man page asks."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = min(hard, 10240) if sys.platform == 'darwin' else hard
+    with contextlib.suppress(ValueError, OSError):  # a limit refused: connections stay bounded by the soft one
+        resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, wanted), hard))
 
 
 def serving_line(model, address, workers):

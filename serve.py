@@ -394,7 +394,7 @@ def serve(model, args):
         app.counts[worker.slot] = app.held[worker.slot] = 0
 
     def end_worker(signum, frame):
-        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGQUIT})  # a second Ctrl-C's quick stop: ending already
+        ignore_stop_signals()
         sys.exit(0)  # asyncio's clean-up first lets the requests cancelled by the stop send their 503 (Worker.run)
 
     def post_worker_init(worker):
@@ -414,11 +414,20 @@ def serve(model, args):
                'backlog': 2048, 'loglevel': 'warning', 'control_socket_disable': True, 'pre_fork': pre_fork,
                'worker_tmp_dir': '/dev/shm' if os.path.isdir('/dev/shm') else None,  # heartbeats in memory
                'post_worker_init': post_worker_init,
+               'on_exit': ignore_stop_signals,  # the workers have ended; the master ends too
                'proc_name': TITLE,
                'when_ready': lambda arbiter: print(serving_line(
                    args.model, arbiter.LISTENERS[0].sock.getsockname(), args.workers), flush=True)}
     Master(Service(app, options)).run()
     return 0
+
+
+def ignore_stop_signals(arbiter=None):
+    """Stop signals ignored by a process of Gunicorn's that is ending: with Ctrl-C held down (a signal for each
+    repeated keystroke) each would raise SystemExit again in a worker, inside a request's clean-up (a traceback,
+    requests left unanswered), or kill the process in Python's own clean-up, which restores the default handlers."""
+    for stop in (signal.SIGINT, signal.SIGTERM, signal.SIGQUIT, signal.SIGHUP):
+        signal.signal(stop, signal.SIG_IGN)
 
 
 def raise_open_files_limit():

@@ -656,6 +656,35 @@ def test_a_second_ctrl_c_stops_at_once(model_file):
     assert not re.search(r'Traceback|\[ERROR\]|\[WARNING\]', rest), rest
 
 
+@pytest.mark.skipif(sys.platform != 'linux', reason='reads the worker processes from /proc')
+def test_ctrl_c_held_down_stops_as_two_do(model_file):
+    """Ctrl-C held down: SIGINT to the master and its workers every millisecond until the master ends. As after two,
+    every request in progress is answered 503, exit 0, without a traceback, an error or a warning (the signals that
+    came while a process ended raised SystemExit in requests' clean-ups, or killed the process in Python's)."""
+    proc, reader, port = serve(model_file, '--workers', '2', '--grace', '600')
+    answering(port, 2)
+    connections = [socket.create_connection(('127.0.0.1', port), timeout=30) for _ in range(40)]
+    try:
+        for s in connections:
+            send_head_for_100_continue(s, 100)  # their bodies never come
+        deadline = time.monotonic() + 60
+        while proc.poll() is None and time.monotonic() < deadline:
+            for pid in [proc.pid, *children(proc.pid)]:  # its children only: a reaped worker's pid may be reused
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGINT)
+            time.sleep(0.001)
+        assert proc.wait(timeout=1) == 0  # TimeoutExpired: waiting --grace; -2: killed by a signal
+        replies = [read_replies(s) for s in connections]
+    finally:
+        for s in connections:
+            s.close()
+    stopped = (503, {'error': 'the server stopped before answering this request; send it again'})
+    assert [[(status, body) for status, _, body in got] + [closed] for got, closed in replies] == \
+        [[stopped, True]] * len(connections)
+    rest = reader.rest()
+    assert not re.search(r'Traceback|\[ERROR\]|\[WARNING\]', rest), rest
+
+
 @skip_without_sighup
 def test_closing_its_terminal_stops_it_as_gracefully_as_sigterm(model_file):
     """The terminal it runs in closes: its output has nowhere to go, and SIGHUP reaches each of its processes (the

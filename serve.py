@@ -321,6 +321,12 @@ class Worker(UvicornWorker):
             sys.stderr.write(f'warning: the master process {self.ppid} is gone; worker process {os.getpid()} stops\n')
             os.kill(os.getpid(), signal.SIGTERM)  # gracefully, as Gunicorn's own workers stop then
 
+    def handle_exit(self, sig, frame):  # uvicorn-worker's handler of SIGQUIT, which stops nothing (uvicorn-worker#2)
+        super().handle_exit(sig, frame)
+        if sig == signal.SIGQUIT:  # Gunicorn's quick stop (kill -QUIT): passed to uvicorn as two Ctrl-C, its own
+            signal.raise_signal(signal.SIGINT)
+            signal.raise_signal(signal.SIGINT)
+
 
 class Master(Arbiter):
     """Gunicorn's master process, saying what a stop waits for. Ctrl-C and SIGHUP (its terminal closed) stop as

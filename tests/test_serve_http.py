@@ -656,6 +656,24 @@ def test_a_second_ctrl_c_stops_at_once(model_file):
     assert not re.search(r'Traceback|\[ERROR\]|\[WARNING\]', rest), rest
 
 
+@pytest.mark.skipif(sys.platform == 'win32', reason="Gunicorn's signal: Windows has no SIGQUIT")
+def test_gunicorns_quick_stop_sigquit_stops_at_once(model_file):
+    """kill -QUIT, Gunicorn's quick stop: the workers stop at once, the request in progress answered 503, exit 0,
+    without a traceback, an error or a warning (uvicorn's worker took no notice of it: the workers served on until
+    Gunicorn killed them --grace and a second later, their connections closed unanswered)."""
+    proc, reader, port = serve(model_file, '--workers', '2', '--grace', '600')
+    with socket.create_connection(('127.0.0.1', port), timeout=30) as s:
+        send_head_for_100_continue(s, 100)  # its body never comes
+        proc.send_signal(signal.SIGQUIT)
+        wait_until_refused(port)
+        assert proc.wait(timeout=60) == 0  # TimeoutExpired: waiting --grace
+        replies, closed = read_replies(s)
+    assert [(status, body) for status, _, body in replies] == [
+        (503, {'error': 'the server stopped before answering this request; send it again'})] and closed
+    rest = reader.rest()
+    assert not re.search(r'Traceback|\[ERROR\]|\[WARNING\]', rest), rest
+
+
 @pytest.mark.skipif(sys.platform != 'linux', reason='reads the worker processes from /proc')
 def test_ctrl_c_held_down_stops_as_two_do(model_file):
     """Ctrl-C held down: SIGINT to the master and its workers every millisecond until the master ends. As after two,

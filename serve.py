@@ -429,7 +429,7 @@ def serve(model, args):
 
 
 def ignore_stop_signals(arbiter=None):
-    """Stop signals ignored by a process of Gunicorn's that is ending: with Ctrl-C held down (a signal for each
+    """Once a process of Gunicorn's is ending, it ignores stop signals: with Ctrl-C held down (a signal for each
     repeated keystroke) each would raise SystemExit again in a worker, inside a request's clean-up (a traceback,
     requests left unanswered), or kill the process in Python's own clean-up, which restores the default handlers."""
     for stop in (signal.SIGINT, signal.SIGTERM, signal.SIGQUIT, signal.SIGHUP):

@@ -406,7 +406,7 @@ def serve(model, args):
     def post_worker_init(worker):
         # uvicorn raises its stop signal again once it has stopped: the worker ends there with exit 0, not killed by it
         # (which Gunicorn logs as an error or a warning); so does a stop before uvicorn's handlers, no request taken yet
-        for stop in (signal.SIGTERM, signal.SIGINT):
+        for stop in (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT):  # SIGQUIT: uvicorn-worker's own while it serves
             signal.signal(stop, end_worker)
         signal.signal(signal.SIGHUP, signal.SIG_IGN)  # a closed terminal: the master stops the workers as on SIGTERM
         # A stop signalled before this worker's own handlers reached the master's, copied by the fork, and was lost

@@ -662,6 +662,7 @@ def test_gunicorns_quick_stop_sigquit_stops_at_once(model_file):
     without a traceback, an error or a warning (uvicorn's worker took no notice of it: the workers served on until
     Gunicorn killed them --grace and a second later, their connections closed unanswered)."""
     proc, reader, port = serve(model_file, '--workers', '2', '--grace', '600')
+    answering(port, 2)  # both serving (a worker still starting: the next test)
     with socket.create_connection(('127.0.0.1', port), timeout=30) as s:
         send_head_for_100_continue(s, 100)  # its body never comes
         proc.send_signal(signal.SIGQUIT)
@@ -670,6 +671,25 @@ def test_gunicorns_quick_stop_sigquit_stops_at_once(model_file):
         replies, closed = read_replies(s)
     assert [(status, body) for status, _, body in replies] == [
         (503, {'error': 'the server stopped before answering this request; send it again'})] and closed
+    rest = reader.rest()
+    assert not re.search(r'Traceback|\[ERROR\]|\[WARNING\]', rest), rest
+
+
+@pytest.mark.skipif(sys.platform == 'win32', reason="Gunicorn's signal: Windows has no SIGQUIT")
+def test_gunicorns_quick_stop_while_the_workers_start_ends_them_with_exit_0(model_file):
+    """kill -QUIT once the workers have their own handlers, before uvicorn serves (held back here): each ends with
+    exit 0, as on SIGTERM, not killed by the signal (which Gunicorn logs as a warning)."""
+    code = ('import runpy, sys, time, uvicorn_worker; run = uvicorn_worker.UvicornWorker.run; '
+            'uvicorn_worker.UvicornWorker.run = lambda worker: '
+            '(print("held", flush=True), time.sleep(30), run(worker)); '
+            'sys.argv[0] = sys.argv[1]; del sys.argv[1]; runpy.run_path(sys.argv[0], run_name="__main__")')
+    proc, reader = start([sys.executable, '-c', code, SERVE, '--model', model_file, '--port', str(free_port()),
+                          '--workers', '2', '--grace', '600'])
+    STARTED.append(proc)
+    for _ in range(2):
+        reader.wait_for(lambda line: line == 'held\n', timeout=60)
+    proc.send_signal(signal.SIGQUIT)
+    assert proc.wait(timeout=60) == 0  # TimeoutExpired: a worker waiting out its 30 s, then --grace
     rest = reader.rest()
     assert not re.search(r'Traceback|\[ERROR\]|\[WARNING\]', rest), rest
 

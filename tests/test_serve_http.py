@@ -634,39 +634,34 @@ def test_a_stop_answers_the_requests_in_progress_then_exits_0(model_file, sig, n
     assert 'Traceback' not in rest and '[ERROR]' not in rest  # workers end with exit 0, not killed by the signal
 
 
-@pytest.mark.skipif(sys.platform != 'linux', reason='reads the worker processes from /proc')
-def test_a_second_ctrl_c_stops_at_once(model_file):
-    """Ctrl-C in a terminal signals the master and every worker; a second one while a request is in progress stops
-    at once (not after --grace), the request answered 503, exit 0, without a traceback, an error or a warning."""
-    proc, reader, port = serve(model_file, '--workers', '2', '--grace', '600')
-    group = [proc.pid, *answering(port, 2)]
-    with socket.create_connection(('127.0.0.1', port), timeout=30) as s:
-        send_head_for_100_continue(s, 100)  # its body never comes
-        for pid in group:
+def ctrl_c_twice(proc, port, workers):
+    """Ctrl-C in a terminal signals the master and every worker; the second one comes while stopping."""
+    group = [proc.pid, *workers]
+    for pid in group:
+        os.kill(pid, signal.SIGINT)
+    wait_until_refused(port)  # every process has taken the first Ctrl-C
+    for pid in group:
+        with contextlib.suppress(ProcessLookupError):  # the idle worker has ended
             os.kill(pid, signal.SIGINT)
-        wait_until_refused(port)  # every process has taken the first Ctrl-C
-        for pid in group:
-            with contextlib.suppress(ProcessLookupError):  # the idle worker has ended
-                os.kill(pid, signal.SIGINT)
-        assert proc.wait(timeout=60) == 0  # TimeoutExpired: waiting --grace
-        replies, closed = read_replies(s)
-    assert [(status, body) for status, _, body in replies] == [
-        (503, {'error': 'the server stopped before answering this request; send it again'})] and closed
-    rest = reader.rest()
-    assert not re.search(r'Traceback|\[ERROR\]|\[WARNING\]', rest), rest
 
 
-@pytest.mark.skipif(sys.platform == 'win32', reason="Gunicorn's signal: Windows has no SIGQUIT")
-def test_gunicorns_quick_stop_sigquit_stops_at_once(model_file):
-    """kill -QUIT, Gunicorn's quick stop: the workers stop at once, the request in progress answered 503, exit 0,
-    without a traceback, an error or a warning (uvicorn's worker took no notice of it: the workers served on until
-    Gunicorn killed them --grace and a second later, their connections closed unanswered)."""
+def kill_quit(proc, port, workers):
+    """kill -QUIT, Gunicorn's quick stop (uvicorn's worker took no notice of it: the workers served on until Gunicorn
+    killed them --grace and a second later, their connections closed unanswered)."""
+    proc.send_signal(signal.SIGQUIT)
+    wait_until_refused(port)
+
+
+@pytest.mark.skipif(sys.platform == 'win32', reason="Gunicorn's stop: Windows has no SIGQUIT, and no second Ctrl-C")
+@pytest.mark.parametrize('stop', [ctrl_c_twice, kill_quit])
+def test_a_quick_stop_answers_the_request_in_progress_503_at_once(model_file, stop):
+    """A second Ctrl-C, or Gunicorn's quick stop, while a request is in progress stops at once (not after --grace),
+    the request answered 503, exit 0, without a traceback, an error or a warning."""
     proc, reader, port = serve(model_file, '--workers', '2', '--grace', '600')
-    answering(port, 2)  # both serving (a worker still starting: the next test)
+    workers = answering(port, 2)  # both serving (a worker still starting: the next test)
     with socket.create_connection(('127.0.0.1', port), timeout=30) as s:
         send_head_for_100_continue(s, 100)  # its body never comes
-        proc.send_signal(signal.SIGQUIT)
-        wait_until_refused(port)
+        stop(proc, port, workers)
         assert proc.wait(timeout=60) == 0  # TimeoutExpired: waiting --grace
         replies, closed = read_replies(s)
     assert [(status, body) for status, _, body in replies] == [

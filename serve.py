@@ -334,11 +334,18 @@ class Master(Arbiter):
     are replaced, the service running on without a terminal. A second Ctrl-C stops at once; nohup's SIGHUP does not."""
 
     def handle_term(self, name='SIGTERM'):
-        self.app.stopping.value = 1
+        self.say_stopping(name, f'within {self.app.application.args.grace:g}s')
+        raise StopIteration  # Gunicorn's graceful stop
+
+    def handle_quit(self):  # kill -QUIT, Gunicorn's quick stop: uvicorn's too, in the workers (Worker.handle_exit)
+        self.say_stopping('SIGQUIT', 'at once, with 503')
+        super().handle_quit()
+
+    def say_stopping(self, name, when):
+        self.app.stopping.value = 1  # for the workers still starting (post_worker_init)
         with contextlib.suppress(OSError):  # no terminal to print on any more (SIGHUP)
             print(f'Stopping on {name}: accepting no new connections, answering the requests in progress '
-                  f'({sum(self.app.application.counts)}) within {self.app.application.args.grace:g}s.', flush=True)
-        raise StopIteration  # Gunicorn's graceful stop
+                  f'({sum(self.app.application.counts)}) {when}.', flush=True)
 
     def handle_int(self):
         self.handle_term('SIGINT')

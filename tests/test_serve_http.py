@@ -635,7 +635,8 @@ def test_a_stop_answers_the_requests_in_progress_then_exits_0(model_file, sig, n
 
 
 def ctrl_c_twice(proc, port, workers):
-    """Ctrl-C in a terminal signals the master and every worker; the second one comes while stopping."""
+    """Ctrl-C in a terminal signals the master and every worker; the second one comes while stopping. The master's
+    line, of the first."""
     group = [proc.pid, *workers]
     for pid in group:
         os.kill(pid, signal.SIGINT)
@@ -643,13 +644,16 @@ def ctrl_c_twice(proc, port, workers):
     for pid in group:
         with contextlib.suppress(ProcessLookupError):  # the idle worker has ended
             os.kill(pid, signal.SIGINT)
+    return 'Stopping on SIGINT: accepting no new connections, answering the requests in progress (1) within 600s.\n'
 
 
 def kill_quit(proc, port, workers):
     """kill -QUIT, Gunicorn's quick stop (uvicorn's worker took no notice of it: the workers served on until Gunicorn
-    killed them --grace and a second later, their connections closed unanswered)."""
+    killed them --grace and a second later, their connections closed unanswered). The master's line."""
     proc.send_signal(signal.SIGQUIT)
     wait_until_refused(port)
+    return ('Stopping on SIGQUIT: accepting no new connections, answering the requests in progress (1) at once, '
+            'with 503.\n')
 
 
 @pytest.mark.skipif(sys.platform == 'win32', reason="Gunicorn's stop: Windows has no SIGQUIT, and no second Ctrl-C")
@@ -661,12 +665,13 @@ def test_a_quick_stop_answers_the_request_in_progress_503_at_once(model_file, st
     workers = answering(port, 2)  # both serving (a worker still starting: the next test)
     with socket.create_connection(('127.0.0.1', port), timeout=30) as s:
         send_head_for_100_continue(s, 100)  # its body never comes
-        stop(proc, port, workers)
+        stopping = stop(proc, port, workers)
         assert proc.wait(timeout=60) == 0  # TimeoutExpired: waiting --grace
         replies, closed = read_replies(s)
     assert [(status, body) for status, _, body in replies] == [
         (503, {'error': 'the server stopped before answering this request; send it again'})] and closed
     rest = reader.rest()
+    assert re.findall(r'^Stopping.*\n', rest, re.M) == [stopping]
     assert not re.search(r'Traceback|\[ERROR\]|\[WARNING\]', rest), rest
 
 
@@ -773,10 +778,12 @@ def test_under_nohup_sighup_changes_nothing_and_pkill_stops_it_gracefully(model_
     assert 'SIGHUP' not in rest, rest  # no worker ended by it (Gunicorn logs a worker killed by a signal)
 
 
-def test_a_stop_while_the_workers_start_is_not_lost(model_file):
-    """SIGTERM while the workers have not yet set their own signal handlers (held back a second here): the forked
-    copy of Gunicorn's master handlers takes it and nothing acts on it (gunicorn#1910), so the stop would wait
-    --grace; each worker checks whether a stop has begun once its handlers are set."""
+@pytest.mark.skipif(sys.platform == 'win32', reason="Gunicorn's workers: Windows has one process, and no SIGQUIT")
+@pytest.mark.parametrize('sig', ['SIGTERM', 'SIGQUIT'])
+def test_a_stop_while_the_workers_start_is_not_lost(model_file, sig):
+    """SIGTERM (or kill -QUIT) while the workers have not yet set their own signal handlers (held back a second
+    here): the forked copy of Gunicorn's master handlers takes it and nothing acts on it (gunicorn#1910), so the
+    stop would wait --grace; each worker checks whether a stop has begun once its handlers are set."""
     code = ('import runpy, sys, time, uvicorn_worker; init = uvicorn_worker.UvicornWorker.init_signals; '
             'uvicorn_worker.UvicornWorker.init_signals = lambda worker: (time.sleep(1), init(worker)); '
             'sys.argv[0] = sys.argv[1]; del sys.argv[1]; runpy.run_path(sys.argv[0], run_name="__main__")')
@@ -784,7 +791,7 @@ def test_a_stop_while_the_workers_start_is_not_lost(model_file):
                           '--workers', '2', '--grace', '600'])
     STARTED.append(proc)
     reader.wait_for(lambda line: line.startswith('Serving'), timeout=60)
-    proc.terminate()
+    proc.send_signal(getattr(signal, sig))
     assert proc.wait(timeout=60) == 0  # a lost signal: TimeoutExpired, the stop waiting --grace (600 s)
     rest = reader.rest()
     assert not re.search(r'Traceback|\[ERROR\]|\[WARNING\]', rest), rest  # each worker ended with exit 0

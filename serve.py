@@ -309,6 +309,18 @@ class Worker(UvicornWorker):
     CONFIG_KWARGS = {'loop': 'auto', 'http': 'h11', 'h11_max_incomplete_event_size': MAX_HEAD_BYTES, 'ws': 'none',
                      'lifespan': 'off', 'access_log': False, 'server_header': False}
 
+    def init_signals(self):
+        super().init_signals()  # uvicorn-worker's: the master's handlers, copied by the fork, reset to the defaults
+        # uvicorn raises its stop signal again once it has stopped: the worker ends there with exit 0, not killed by it
+        # (which Gunicorn logs as an error or a warning); so does a stop before uvicorn's handlers, no request taken yet
+        for stop in (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT):  # SIGQUIT: uvicorn-worker's own while it serves
+            signal.signal(stop, end_worker)
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)  # a closed terminal: the master stops the workers as on SIGTERM
+        # A stop signalled before the reset reached the master's handlers and was lost (gunicorn#1910): the stop would
+        # wait --grace for this worker. Checked after the handlers above are set: none slips by.
+        if self.app.stopping.value:
+            sys.exit(0)
+
     def run(self):
         try:
             super().run()
@@ -342,7 +354,7 @@ class Master(Arbiter):
         super().handle_quit()
 
     def say_stopping(self, name, when):
-        self.app.stopping.value = 1  # for the workers still starting (post_worker_init)
+        self.app.stopping.value = 1  # for the workers still starting (Worker.init_signals)
         with contextlib.suppress(OSError):  # no terminal to print on any more (SIGHUP)
             print(f'Stopping on {name}: accepting no new connections, answering the requests in progress '
                   f'({sum(self.app.application.counts)}) {when}.', flush=True)
@@ -406,33 +418,22 @@ def serve(model, args):
         worker.slot = app.slot = next((k for k in range(len(app.counts)) if k not in taken), len(app.counts) - 1)
         app.counts[worker.slot] = app.held[worker.slot] = 0
 
-    def end_worker(signum, frame):
-        ignore_stop_signals()
-        sys.exit(0)  # asyncio's clean-up first lets the requests cancelled by the stop send their 503 (Worker.run)
-
-    def post_worker_init(worker):
-        # uvicorn raises its stop signal again once it has stopped: the worker ends there with exit 0, not killed by it
-        # (which Gunicorn logs as an error or a warning); so does a stop before uvicorn's handlers, no request taken yet
-        for stop in (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT):  # SIGQUIT: uvicorn-worker's own while it serves
-            signal.signal(stop, end_worker)
-        signal.signal(signal.SIGHUP, signal.SIG_IGN)  # a closed terminal: the master stops the workers as on SIGTERM
-        # A stop signalled before this worker's own handlers reached the master's, copied by the fork, and was lost
-        # (gunicorn#1910): the stop would wait --grace for this worker. Checked after the handlers above: none slips by.
-        if worker.app.stopping.value:
-            sys.exit(0)
-
     # graceful_timeout: a worker not ended a second after uvicorn's --grace (a stuck event loop) is killed
     options = {'bind': [bind], 'workers': args.workers, 'worker_class': Worker, 'preload_app': True,
                'timeout': args.worker_timeout, 'graceful_timeout': math.ceil(args.grace) + 1, 'keepalive': 60,
                'backlog': 2048, 'loglevel': 'warning', 'control_socket_disable': True, 'pre_fork': pre_fork,
                'worker_tmp_dir': '/dev/shm' if os.path.isdir('/dev/shm') else None,  # heartbeats in memory
-               'post_worker_init': post_worker_init,
                'on_exit': ignore_stop_signals,  # the workers have ended; the master ends too
                'proc_name': TITLE,
                'when_ready': lambda arbiter: print(serving_line(
                    args.model, arbiter.LISTENERS[0].sock.getsockname(), args.workers), flush=True)}
     Master(Service(app, options)).run()
     return 0
+
+
+def end_worker(signum, frame):
+    ignore_stop_signals()
+    sys.exit(0)  # asyncio's clean-up first lets the requests cancelled by the stop send their 503 (Worker.run)
 
 
 def ignore_stop_signals(arbiter=None):

@@ -675,20 +675,22 @@ def test_a_quick_stop_answers_the_request_in_progress_503_at_once(model_file, st
     assert not re.search(r'Traceback|\[ERROR\]|\[WARNING\]', rest), rest
 
 
-@pytest.mark.skipif(sys.platform == 'win32', reason="Gunicorn's signal: Windows has no SIGQUIT")
-def test_gunicorns_quick_stop_while_the_workers_start_ends_them_with_exit_0(model_file):
-    """kill -QUIT once the workers have their own handlers, before uvicorn serves (held back here): each ends with
-    exit 0, as on SIGTERM, not killed by the signal (which Gunicorn logs as a warning)."""
-    code = ('import runpy, sys, time, uvicorn_worker; run = uvicorn_worker.UvicornWorker.run; '
-            'uvicorn_worker.UvicornWorker.run = lambda worker: '
-            '(print("held", flush=True), time.sleep(30), run(worker)); '
+@pytest.mark.skipif(sys.platform == 'win32', reason="Gunicorn's workers: Windows has one process and no SIGQUIT")
+@pytest.mark.parametrize('sig', ['SIGTERM', 'SIGQUIT'])
+def test_a_stop_once_the_workers_have_their_handlers_ends_them_with_exit_0(model_file, sig):
+    """SIGTERM or kill -QUIT while the workers start, once their signal handlers are set, before uvicorn serves
+    (held back here, as they load the app): each ends with exit 0, not killed by the signal (which Gunicorn logs as
+    a warning or an error)."""
+    code = ('import runpy, sys, time, uvicorn_worker; load = uvicorn_worker.UvicornWorker.load_wsgi; '
+            'uvicorn_worker.UvicornWorker.load_wsgi = lambda worker: '
+            '(print("held", flush=True), time.sleep(30), load(worker)); '
             'sys.argv[0] = sys.argv[1]; del sys.argv[1]; runpy.run_path(sys.argv[0], run_name="__main__")')
     proc, reader = start([sys.executable, '-c', code, SERVE, '--model', model_file, '--port', str(free_port()),
                           '--workers', '2', '--grace', '600'])
     STARTED.append(proc)
     for _ in range(2):
         reader.wait_for(lambda line: line == 'held\n', timeout=60)
-    proc.send_signal(signal.SIGQUIT)
+    proc.send_signal(getattr(signal, sig))
     assert proc.wait(timeout=60) == 0  # TimeoutExpired: a worker waiting out its 30 s, then --grace
     rest = reader.rest()
     assert not re.search(r'Traceback|\[ERROR\]|\[WARNING\]', rest), rest

@@ -635,8 +635,8 @@ def test_a_stop_answers_the_requests_in_progress_then_exits_0(model_file, sig, n
 
 
 def ctrl_c_twice(proc, port, workers):
-    """Ctrl-C in a terminal signals the master and every worker; the second one comes while stopping. The master's
-    line, of the first."""
+    """Ctrl-C in a terminal signals the master and every worker; the second one comes while stopping. Returns the
+    master's Stopping line, of the first."""
     group = [proc.pid, *workers]
     for pid in group:
         os.kill(pid, signal.SIGINT)
@@ -649,7 +649,8 @@ def ctrl_c_twice(proc, port, workers):
 
 def kill_quit(proc, port, workers):
     """kill -QUIT, Gunicorn's quick stop (uvicorn's worker took no notice of it: the workers served on until Gunicorn
-    killed them --grace and a second later, their connections closed unanswered). The master's line."""
+    killed them --grace and a second later, their connections closed unanswered). Returns the
+    master's Stopping line."""
     proc.send_signal(signal.SIGQUIT)
     wait_until_refused(port)
     return ('Stopping on SIGQUIT: accepting no new connections, answering the requests in progress (1) at once, '
@@ -675,7 +676,7 @@ def test_a_quick_stop_answers_the_request_in_progress_503_at_once(model_file, st
     assert not re.search(r'Traceback|\[ERROR\]|\[WARNING\]', rest), rest
 
 
-@pytest.mark.skipif(sys.platform == 'win32', reason="Gunicorn's workers: Windows has one process and no SIGQUIT")
+@pytest.mark.skipif(sys.platform == 'win32', reason="Gunicorn's workers: Windows has one process, and no SIGQUIT")
 @pytest.mark.parametrize('sig', ['SIGTERM', 'SIGQUIT'])
 def test_a_stop_once_the_workers_have_their_handlers_ends_them_with_exit_0(model_file, sig):
     """SIGTERM or kill -QUIT while the workers start, once their signal handlers are set, before uvicorn serves

@@ -684,11 +684,8 @@ def test_a_stop_once_the_workers_have_their_handlers_ends_them_with_exit_0(model
     a warning or an error)."""
     code = ('import runpy, sys, time, uvicorn_worker; load = uvicorn_worker.UvicornWorker.load_wsgi; '
             'uvicorn_worker.UvicornWorker.load_wsgi = lambda worker: '
-            '(print("held", flush=True), time.sleep(30), load(worker)); '
-            'sys.argv[0] = sys.argv[1]; del sys.argv[1]; runpy.run_path(sys.argv[0], run_name="__main__")')
-    proc, reader = start([sys.executable, '-c', code, SERVE, '--model', model_file, '--port', str(free_port()),
-                          '--workers', '2', '--grace', '600'])
-    STARTED.append(proc)
+            '(print("held", flush=True), time.sleep(30), load(worker)); ' + RUN_SERVE_PY)
+    proc, reader, _ = serve(model_file, '--workers', '2', '--grace', '600', launch=code)
     for _ in range(2):
         reader.wait_for(lambda line: line == 'held\n', timeout=60)
     proc.send_signal(getattr(signal, sig))
@@ -788,12 +785,8 @@ def test_a_stop_while_the_workers_start_is_not_lost(model_file, sig):
     here): the forked copy of Gunicorn's master handlers takes it and nothing acts on it (gunicorn#1910), so the
     stop would wait --grace; each worker checks whether a stop has begun once its handlers are set."""
     code = ('import runpy, sys, time, uvicorn_worker; init = uvicorn_worker.UvicornWorker.init_signals; '
-            'uvicorn_worker.UvicornWorker.init_signals = lambda worker: (time.sleep(1), init(worker)); '
-            'sys.argv[0] = sys.argv[1]; del sys.argv[1]; runpy.run_path(sys.argv[0], run_name="__main__")')
-    proc, reader = start([sys.executable, '-c', code, SERVE, '--model', model_file, '--port', str(free_port()),
-                          '--workers', '2', '--grace', '600'])
-    STARTED.append(proc)
-    reader.wait_for(lambda line: line.startswith('Serving'), timeout=60)
+            'uvicorn_worker.UvicornWorker.init_signals = lambda worker: (time.sleep(1), init(worker)); ' + RUN_SERVE_PY)
+    proc, reader, _ = serve(model_file, '--workers', '2', '--grace', '600', launch=code)
     proc.send_signal(getattr(signal, sig))
     assert proc.wait(timeout=60) == 0  # a lost signal: TimeoutExpired, the stop waiting --grace (600 s)
     rest = reader.rest()

@@ -124,7 +124,7 @@ class App:
             status, body, headers = e.status, {'error': str(e)}, e.headers
         except ConnectionError:  # the client went away: nobody to answer
             status = 499
-        except asyncio.CancelledError:  # past --grace, uvicorn alone (Windows) cancels what is still in progress
+        except asyncio.CancelledError:  # a quick stop, or --grace run out: uvicorn cancels what is in progress
             status, headers = 503, {'connection': 'close', 'retry-after': '1'}
             body = {'error': 'the server stopped before answering this request; send it again'}
         except Exception as e:  # a bug of ours: the client gets JSON, the log one line with where it happened

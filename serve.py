@@ -107,7 +107,7 @@ class App:
     def __init__(self, model, args, workers):
         self.model, self.args, self.workers, self.slot = model, args, workers, 0  # slot: this worker's, below
         # Shared by the worker processes, a slot each: requests in progress, busy kept-alive connections (crowded).
-        # Room for replacements and for workers added by Gunicorn's TTIN signal (one each).
+        # Room for 1024 workers added by Gunicorn's TTIN signal; a replacement reuses a gone worker's slot (pre_fork).
         slots = workers + 1024
         self.counts, self.held = multiprocessing.RawArray('i', slots), multiprocessing.RawArray('i', slots)
         self.clients, self.replies = collections.Counter(), 0  # replies by connection, and in all

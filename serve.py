@@ -101,14 +101,12 @@ def parse_args():
 
 
 class App:
-    """The ASGI application of one worker process: routes and request forms; images are read and the model run
-    on a pool of threads (MNIST-sized ones at once), within a budget of body bytes, a queue bound and a deadline."""
+    """The ASGI application of a worker process: routes, request forms, limits. Images are read and the model run on
+    a pool of threads (MNIST-sized ones on the event loop), within a body budget, a queue bound and a deadline."""
 
     def __init__(self, model, args, workers):
-        self.model, self.args, self.workers, self.slot = model, args, workers, 0  # slot: this worker's, below
-        # Shared by the worker processes, a slot each: requests in progress, busy kept-alive connections (crowded).
-        # Room for 1024 workers added by Gunicorn's TTIN signal; a replacement reuses a gone worker's slot (pre_fork).
-        slots = workers + 1024
+        self.model, self.args, self.workers, self.slot = model, args, workers, 0  # slot: this worker's (pre_fork)
+        slots = workers + 1024  # shared, a slot each (1024 for TTIN's): requests in progress, busy connections
         self.counts, self.held = multiprocessing.RawArray('i', slots), multiprocessing.RawArray('i', slots)
         self.clients, self.replies = collections.Counter(), 0  # replies by connection, and in all
         self.pool = concurrent.futures.ThreadPoolExecutor(args.threads, thread_name_prefix='predict')
@@ -146,10 +144,8 @@ class App:
         sys.stderr.write(f'{scope["method"]} {target} {status} {(time.perf_counter() - started) * 1000:.1f} ms\n')
 
     def crowded(self, client):
-        """Whether this reply closes its connection, to spread kept-alive clients over the workers (each stays with
-        the worker that accepted it: 4 all on one of 2 workers get 40% fewer replies). Every SPREAD_CHECK replies a
-        worker counts its busy connections (3 of those replies or more); holding 2 more than another worker, it
-        closes a busy one, whose client connects again, most likely to a less busy worker (the first to accept)."""
+        """Whether this reply closes its connection, to spread kept-alive clients over the workers: every SPREAD_CHECK
+        replies, a worker holding 2 more busy connections (3 replies or more) than another closes one."""
         self.clients[client] += 1
         self.replies += 1
         if self.replies % SPREAD_CHECK:
@@ -197,7 +193,7 @@ class App:
 
     @contextlib.asynccontextmanager
     async def body_room(self, size, deadline):
-        """Hold size bytes of the body budget while a body is read and answered; wait for them until the deadline."""
+        """Hold size bytes of the body budget while a body is read and answered, waiting until the deadline."""
         if self.budget < size:
             try:
                 async with self.room:
@@ -215,8 +211,8 @@ class App:
                 self.room.notify_all()
 
     async def run(self, body, content_type, framed, receive):
-        """The reply: at once for MNIST-sized images (0.1 ms each, less than handing them to a thread costs), else
-        from a prediction thread, dropped when the client goes or the deadline passes."""
+        """The reply: at once for MNIST-sized images (0.1 ms, less than a thread's hand-off), else from a thread,
+        dropped when the client goes or the deadline passes."""
         images = framing.images_in(body, content_type) if len(body) <= QUICK_BYTES else None
         dropped = threading.Event()
         if images and all(framing.pixel_count(image) <= QUICK_PIXELS for image in images[0]):
@@ -246,8 +242,8 @@ class App:
                                               f'again, or send smaller images', **{'retry-after': '1'})
 
     def end_if_stuck(self, job):
-        """A thread still on a dropped job --worker-timeout seconds later is stuck (a decoder's endless loop), which
-        Gunicorn's heartbeat, sent from the event loop, does not show: this worker stops; Gunicorn starts another."""
+        """A thread still on a dropped job --worker-timeout seconds later is stuck, which the heartbeat (sent from
+        the event loop) does not show: this worker stops, and Gunicorn starts another."""
         if not job.done():
             sys.stderr.write(f'error: a prediction thread of worker process {os.getpid()} is stuck on a request '
                              f'dropped {self.args.worker_timeout}s ago; the worker stops and another takes its place\n')
@@ -280,15 +276,15 @@ async def read_body(receive, deadline, timeout):
 
 
 def check_address(host, port):
-    """Gunicorn's bind for host:port, once it is known to be free here (or the socket handed down), or SetupError in
-    one line. IPv6 where the host has a ':', as Gunicorn and uvicorn bind."""
+    """Gunicorn's bind for host:port once it is known to be free (or handed down by USR2), or SetupError in one line.
+    IPv6 where the host has a ':', as Gunicorn and uvicorn bind."""
     if not 0 <= port <= 65535:
         raise common.SetupError(f'--port {port} is not a port: pass one from 1 to 65535 (or 0 for any free one).')
     family = socket.AF_INET6 if ':' in host else socket.AF_INET
     bind = f'[{host}]:{port}' if family == socket.AF_INET6 else f'{host}:{port}'
-    if 'GUNICORN_FD' in os.environ:  # a new master started by Gunicorn's USR2: it takes the old one's socket
+    if 'GUNICORN_FD' in os.environ:  # a new master started by USR2: it takes the old one's socket
         return bind
-    with socket.socket(family) as probe:  # the server binds it once more, as Gunicorn does
+    with socket.socket(family) as probe:  # Gunicorn binds it again
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind((host, port))
@@ -304,20 +300,19 @@ def check_address(host, port):
 
 
 class Worker(UvicornWorker):
-    """A worker process of Gunicorn's serving App with uvicorn: h11 (a parser with a bound on the head), uvloop where
-    installed. Windows' one process, without Gunicorn, runs uvicorn with the same settings."""
+    """A worker process serving App with uvicorn: h11 (for its bound on the head), uvloop where installed. Windows'
+    one process runs uvicorn with the same settings."""
     CONFIG_KWARGS = {'loop': 'auto', 'http': 'h11', 'h11_max_incomplete_event_size': MAX_HEAD_BYTES, 'ws': 'none',
                      'lifespan': 'off', 'access_log': False, 'server_header': False}
 
     def init_signals(self):
         super().init_signals()  # uvicorn-worker's: the master's handlers, copied by the fork, reset to the defaults
-        # uvicorn raises its stop signal again once it has stopped: the worker ends there with exit 0, not killed by it
-        # (which Gunicorn logs as an error or a warning); so does a stop before uvicorn's handlers, no request taken yet
-        for stop in (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT):  # SIGQUIT: uvicorn-worker's own while it serves
+        # Exit 0 (not killed: Gunicorn logs that) on the stop signal uvicorn raises again once stopped, or on one
+        # that comes before uvicorn's handlers; SIGQUIT: uvicorn-worker's own once serving
+        for stop in (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT):
             signal.signal(stop, end_worker)
         signal.signal(signal.SIGHUP, signal.SIG_IGN)  # a closed terminal: the master stops the workers as on SIGTERM
-        # A stop signalled before the reset reached the master's handlers and was lost (gunicorn#1910): the stop would
-        # wait --grace for this worker. Checked after the handlers above are set: none slips by.
+        # A stop signalled before the reset reached the master's handlers, and was lost (gunicorn#1910)
         if self.app.stopping.value:
             sys.exit(0)
 
@@ -341,9 +336,8 @@ class Worker(UvicornWorker):
 
 
 class Master(Arbiter):
-    """Gunicorn's master process, saying what a stop waits for. Ctrl-C and SIGHUP (its terminal closed) stop as
-    gracefully as SIGTERM: Gunicorn's own Ctrl-C drops the requests in progress; on its SIGHUP the workers die and
-    are replaced, the service running on without a terminal. A second Ctrl-C stops at once; nohup's SIGHUP does not."""
+    """Gunicorn's master process, saying what a stop waits for. Ctrl-C and SIGHUP (a closed terminal; not under
+    nohup) stop as gracefully as SIGTERM, where Gunicorn's own drop the requests in progress or reload."""
 
     def handle_term(self, name='SIGTERM'):
         self.say_stopping(name, f'within {self.app.application.args.grace:g}s')
@@ -368,8 +362,8 @@ class Master(Arbiter):
 
 
 class Service(BaseApplication):
-    """Gunicorn through its custom application API, preload_app: the workers are forked with the model loaded (they
-    share its memory); one that dies, or whose event loop stops for --worker-timeout seconds, is replaced."""
+    """Gunicorn through its custom application API, preload_app: the workers, forked with the model loaded, share
+    its memory."""
 
     def __init__(self, application, options):
         self.application, self.options = application, options
@@ -390,8 +384,7 @@ def serve(model, args):
     """Serve on --workers processes under Gunicorn; on Windows, where Gunicorn does not run, on this one."""
     bind = check_address(args.host, args.port)
     torch.set_num_threads(1)  # a tiny model: one torch thread per request, requests on --threads threads
-    # uvicorn warns twice of each request with an Upgrade header (curl --http2 sends one), advising a WebSocket
-    # library; the request is answered over HTTP/1.1, as it should be: nothing to act on
+    # uvicorn warns twice of each request asking to upgrade (curl --http2), answered over HTTP/1.1 as it should be
     logging.getLogger('uvicorn.error').addFilter(
         lambda record: not record.getMessage().startswith(('Unsupported upgrade', 'No supported WebSocket')))
     # uvicorn's settings, under Gunicorn and alone: past --grace a stop cancels what is in progress (answered 503)
@@ -411,10 +404,9 @@ def serve(model, args):
 
     raise_open_files_limit()
 
-    def pre_fork(arbiter, worker):  # a slot of the counts for each worker, reused once its worker has gone
+    def pre_fork(arbiter, worker):  # a free slot of the counts for each worker (app.slot: the fork's copy)
         taken = {other.slot for other in arbiter.WORKERS.values()}
-        # app.slot: the fork's copy. Past 1024 workers added by TTIN they share the last slot (StopIteration here
-        # would make Gunicorn stop the service)
+        # once all are taken, the last one is shared (a StopIteration here would stop the service)
         worker.slot = app.slot = next((k for k in range(len(app.counts)) if k not in taken), len(app.counts) - 1)
         app.counts[worker.slot] = app.held[worker.slot] = 0
 
@@ -437,16 +429,15 @@ def end_worker(signum, frame):
 
 
 def ignore_stop_signals(arbiter=None):
-    """Once a process of Gunicorn's is ending, it ignores stop signals: with Ctrl-C held down (a signal for each
-    repeated keystroke) each would raise SystemExit again in a worker, inside a request's clean-up (a traceback,
-    requests left unanswered), or kill the process in Python's own clean-up, which restores the default handlers."""
+    """An ending process ignores stop signals (Ctrl-C held down): each would raise SystemExit again inside a
+    request's clean-up, or kill the process in Python's own clean-up, which restores the default handlers."""
     for stop in (signal.SIGINT, signal.SIGTERM, signal.SIGQUIT, signal.SIGHUP):
         signal.signal(stop, signal.SIG_IGN)
 
 
 def raise_open_files_limit():
-    """Each connection is an open file: past the soft limit (macOS: 256) a worker closes new ones unanswered. Raised
-    to the hard limit, as Go's runtime does; on macOS to at most OPEN_MAX, 10240, as its setrlimit man page asks."""
+    """Each connection is an open file: past the soft limit (macOS: 256) new ones are closed unanswered. Raised to
+    the hard limit, as Go's runtime does (macOS: at most OPEN_MAX, 10240, as its setrlimit man page asks)."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     wanted = min(hard, 10240) if sys.platform == 'darwin' else hard
     with contextlib.suppress(ValueError, OSError):  # a limit refused: connections stay bounded by the soft one

@@ -337,7 +337,8 @@ class Worker(UvicornWorker):
 
 class Master(Arbiter):
     """Gunicorn's master process, saying what a stop waits for. Ctrl-C and SIGHUP (a closed terminal; not under
-    nohup) stop as gracefully as SIGTERM, where Gunicorn's own drop the requests in progress or reload."""
+    nohup) stop as gracefully as SIGTERM, where Gunicorn's own would drop the requests in progress or reload; a
+    second Ctrl-C stops at once."""
 
     def handle_term(self, name='SIGTERM'):
         self.say_stopping(name, f'within {self.app.application.args.grace:g}s')
@@ -363,7 +364,7 @@ class Master(Arbiter):
 
 class Service(BaseApplication):
     """Gunicorn through its custom application API, preload_app: the workers, forked with the model loaded, share
-    its memory."""
+    its memory; one that dies, or stops answering for --worker-timeout seconds, is replaced."""
 
     def __init__(self, application, options):
         self.application, self.options = application, options

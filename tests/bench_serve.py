@@ -154,9 +154,9 @@ def scratch_folder():
 def baseline_serve(rev):
     """The path of serve.py as it was at git revision rev, with that revision's common.py beside it."""
     folder = scratch_folder()
-    for name in ('serve.py', 'common.py', 'framing.py'):
+    for name in ('serve.py', 'asgi.py', 'common.py', 'framing.py'):
         source = subprocess.run(['git', 'show', f'{rev}:{name}'], cwd=ROOT, capture_output=True)
-        if source.returncode == 0:  # framing.py only where the revision has it
+        if source.returncode == 0:  # asgi.py, framing.py only where the revision has them
             with open(os.path.join(folder, name), 'wb') as f:
                 f.write(source.stdout)
     return os.path.join(folder, 'serve.py')

@@ -13,7 +13,7 @@ from conftest import ROOT, run
 
 DOCS = [ROOT / 'README.md', *sorted((ROOT / 'docs').glob('*.md'))]
 SOURCES = [ROOT / name for name in
-           ('mnist_train.py', 'mnist_train_distributed.py', 'common.py', 'serve.py', 'framing.py')]
+           ('mnist_train.py', 'mnist_train_distributed.py', 'common.py', 'serve.py', 'asgi.py', 'framing.py')]
 
 
 @functools.cache  # the same sources for every doc
@@ -186,7 +186,7 @@ def test_the_suite_runs_one_worker_more_than_the_cpus():
 def refusals():
     """(status, closes the connection) of every Refused(...) serve.py and framing.py raise."""
     found = set()
-    trees = [ast.parse((ROOT / name).read_text()) for name in ('serve.py', 'framing.py')]
+    trees = [ast.parse((ROOT / name).read_text()) for name in ('serve.py', 'asgi.py', 'framing.py')]
     for node in (node for tree in trees for node in ast.walk(tree)):
         if isinstance(node, ast.Call) and getattr(node.func, 'id', None) == 'Refused':
             closes = any(k.arg == 'connection' and k.value.value == 'close' for k in node.keywords)
@@ -203,7 +203,7 @@ def test_serving_docs_list_every_status_and_every_reply_that_closes_the_connecti
     assert {status for status, _ in refusals()} | {500} <= listed, listed
     closing = text.split('After an')[1].split('which close it')[0]
     assert {status for status, closes in refusals() if closes} == {int(n) for n in re.findall(r'\b\d{3}\b', closing)}
-    assert 'the server is busy reading other requests' in (ROOT / 'serve.py').read_text()  # the 503 quoted there
+    assert 'the server is busy reading other requests' in (ROOT / 'asgi.py').read_text()  # the 503 quoted there
 
 
 def serve_defaults(monkeypatch):
@@ -257,16 +257,17 @@ def test_the_formats_served_are_those_the_docs_and_the_error_name():
 
 
 def test_serving_limits_are_the_codes():
+    import asgi
     import framing
     import serve
     text = (ROOT / 'docs' / 'serving.md').read_text()
-    assert serve.MAX_BODY_BYTES == 10 * 2**20 and '| a request body | 10 MiB, 10,485,760 bytes' in text
-    assert serve.BODY_BUDGET == 80 * 2**20 and '| request bodies held at once | 80 MiB' in text
+    assert asgi.MAX_BODY_BYTES == 10 * 2**20 and '| a request body | 10 MiB, 10,485,760 bytes' in text
+    assert asgi.BODY_BUDGET == 80 * 2**20 and '| request bodies held at once | 80 MiB' in text
     assert serve.MAX_HEAD_BYTES == 16 * 2**10 and '| request line and headers | 16 KiB' in text
     assert framing.MAX_IMAGES == 16 and '| images in one request | 16 |' in text
     assert framing.MAX_SCANS == 100 and '| scans of a JPEG | 100: ' in text
     assert framing.MAX_PIXELS == 4096 * 4096 and '| a tile of a TIFF | 4096 x 4096 pixels' in text
-    assert serve.SPREAD_CHECK == 100 and 'every 100 replies a worker counts the connections that sent 3' in (
+    assert asgi.SPREAD_CHECK == 100 and 'every 100 replies a worker counts the connections that sent 3' in (
         ' '.join(text.split()))
     page = (ROOT / 'page' / 'index.html').read_text()
     assert 'const MAX_UPLOAD = 1000000, MAX_SIDE = 1024;' in page  # what serving.md says the page sends

@@ -252,10 +252,10 @@ def test_an_image_without_a_digit_gets_422(server, image):
 
 
 def test_a_worker_holding_2_more_busy_connections_than_another_closes_one():
-    """serve.App.crowded, the decision behind the Connection: close that spreads kept-alive clients."""
-    import serve
-    app = serve.App(None, argparse.Namespace(threads=1), 2)
-    app.slot, check = 0, serve.SPREAD_CHECK
+    """asgi.App.crowded, the decision behind the Connection: close that spreads kept-alive clients."""
+    import asgi
+    app = asgi.App(None, argparse.Namespace(threads=1), 2)
+    app.slot, check = 0, asgi.SPREAD_CHECK
     kept = [('127.0.0.1', 50000 + k) for k in range(4)]  # 4 connections, 25 replies each in a check
     assert [app.crowded(kept[n % 4]) for n in range(check)] == [False] * (check - 1) + [True]  # the other: 0
     assert app.held[0] == 4
@@ -267,17 +267,17 @@ def test_a_worker_holding_2_more_busy_connections_than_another_closes_one():
     assert not any(app.crowded(('127.0.0.1', 40000 + n // 2)) for n in range(check)) and app.held[0] == 0
     three = [('127.0.0.1', 30000 + n // 3) for n in range(check - 1)] + [('127.0.0.1', 30000)]  # 3 replies: busy
     assert [app.crowded(client) for client in three][-1] and app.held[0] == 33
-    alone = serve.App(None, argparse.Namespace(threads=1), 1)  # one worker: nowhere to go
+    alone = asgi.App(None, argparse.Namespace(threads=1), 1)  # one worker: nowhere to go
     assert not any(alone.crowded(kept[n % 4]) for n in range(check))
 
 
 def test_a_worker_holds_80_mib_of_bodies_at_once_and_the_rest_wait_their_turn():
-    """serve.App.body_room, the body budget, with 10 MiB bodies: 8 at once; a 9th waits for room, till its deadline
+    """asgi.App.body_room, the body budget, with 10 MiB bodies: 8 at once; a 9th waits for room, till its deadline
     (503), or till one of the 8 is answered. (The 200-client test's memory bound alone cannot tell: without the
     budget its peak was under 1.5 GiB once in four runs.)"""
-    import serve
-    app = serve.App(None, argparse.Namespace(threads=1), 1)
-    size, inside = serve.MAX_BODY_BYTES, []
+    import asgi
+    app = asgi.App(None, argparse.Namespace(threads=1), 1)
+    size, inside = asgi.MAX_BODY_BYTES, []
 
     async def body(name, answered, deadline=5):
         async with app.body_room(size, asyncio.get_running_loop().time() + deadline):
@@ -303,14 +303,14 @@ def test_a_worker_holds_80_mib_of_bodies_at_once_and_the_rest_wait_their_turn():
         for event in done:
             event.set()
         await asyncio.gather(*held, ninth)
-        assert app.budget == serve.BODY_BUDGET  # all given back
+        assert app.budget == asgi.BODY_BUDGET  # all given back
     asyncio.run(requests())
 
 
 def test_a_bug_of_the_servers_gets_500_in_json_and_one_log_line_saying_where(monkeypatch, capsys):
-    """serve.App.__call__ around a request whose handling raises what no reply was made for."""
-    import serve
-    app = serve.App(None, argparse.Namespace(threads=1), 1)
+    """asgi.App.__call__ around a request whose handling raises what no reply was made for."""
+    import asgi
+    app = asgi.App(None, argparse.Namespace(threads=1), 1)
 
     def look_up():
         return {}['digit']  # the line named
@@ -334,25 +334,25 @@ def test_a_bug_of_the_servers_gets_500_in_json_and_one_log_line_saying_where(mon
 
 
 def test_work_that_fails_after_its_deadline_leaves_no_error_in_the_log(monkeypatch, caplog):
-    """serve.App.run: a prediction begun, past --deadline (504), that then fails. Its error has no request left to
+    """asgi.App.run: a prediction begun, past --deadline (504), that then fails. Its error has no request left to
     go to; it is read and dropped, not logged by asyncio as an exception never retrieved (a traceback per request)."""
-    import serve
+    import asgi
     begun = threading.Event()
 
     def fails_slowly(*args):
         begun.set()
         threading.Event().wait(2)  # still reading long after the deadline
         raise framing.Refused(400, 'the image cannot be decoded')
-    monkeypatch.setattr(serve.framing, 'answer', fails_slowly)
+    monkeypatch.setattr(asgi.framing, 'answer', fails_slowly)
     # a second to begin: begun on any machine
-    app = serve.App(None, argparse.Namespace(threads=1, deadline=1, worker_timeout=30), 1)
+    app = asgi.App(None, argparse.Namespace(threads=1, deadline=1, worker_timeout=30), 1)
 
     async def never_disconnects():
         await asyncio.Event().wait()
 
     async def request():
         with pytest.raises(framing.Refused) as refused:
-            await app.run(bytes(serve.QUICK_BYTES + 1), 'image/png', False, never_disconnects)
+            await app.run(bytes(asgi.QUICK_BYTES + 1), 'image/png', False, never_disconnects)
         assert begun.is_set() and refused.value.status == 504
         await asyncio.sleep(1.5)  # the work ends meanwhile, in error
     asyncio.run(request())

@@ -1088,7 +1088,7 @@ def test_uvicorn_is_set_up_alike_under_gunicorn_and_alone(model_file, as_on_wind
 
 @pytest.mark.one_leg
 def test_without_its_page_the_service_says_so_at_the_root_and_serves_on(model_file, tmp_path):
-    for name in ('serve.py', 'framing.py', 'common.py'):  # uploaded without page/
+    for name in ('serve.py', 'asgi.py', 'framing.py', 'common.py'):  # uploaded without page/
         shutil.copy(ROOT / name, tmp_path / name)
     port = free_port()
     proc, reader = start([sys.executable, tmp_path / 'serve.py', '--model', model_file, '--port', str(port)])

@@ -29,6 +29,7 @@ def test_help_shows_the_dlc_start_command_and_the_output(script, start_command):
 @pytest.mark.parametrize('script, beside, missing', [
     ('mnist_train.py', [], 'common.py'), ('mnist_train_distributed.py', [], 'common.py'),
     ('serve.py', [], 'common.py'), ('serve.py', ['common.py'], 'framing.py'),
+    ('serve.py', ['common.py', 'framing.py'], 'asgi.py'),
 ])
 def test_a_script_uploaded_without_a_module_it_imports_says_so_in_one_line(script, beside, missing, tmp_path):
     for name in (script, *beside):

@@ -13,15 +13,8 @@ single script), checkpoint.pth (the same command resumes from it) and TensorBoar
 runs/mnist_experiment. --epochs is a total: epochs done before a restart count.
 """
 import argparse
-import contextlib
-import json
 import os
-import pickle
-import re
-import signal
-import socket
 import sys
-import threading
 import time
 from datetime import timedelta
 
@@ -35,10 +28,11 @@ from torch.utils.tensorboard import SummaryWriter
 
 try:
     import common
+    import peers
 except ModuleNotFoundError as e:  # the script uploaded alone
-    if e.name != 'common':
+    if e.name not in ('common', 'peers'):
         raise
-    sys.exit(f'error: common.py is missing: upload it beside {os.path.abspath(__file__)} (on DLC, to the same '
+    sys.exit(f'error: {e.name}.py is missing: upload it beside {os.path.abspath(__file__)} (on DLC, to the same '
              f'folder of the dataset as the script).')
 
 # Data preprocessing, as in the document
@@ -82,333 +76,17 @@ def parse_args():
     return parser.parse_args()
 
 
-job_store = None  # the job's key-value store, once joined: set-up waits go through it; a survivor asks who is gone
-agent_store = None  # torchrun's own store, where it has one: it outlives this attempt's processes
-setup_step = 0  # on_ranks' calls, the same on every rank: each has keys of its own in the store
-SETUP_TIMEOUT = timedelta(minutes=30)  # a set-up wait (rank 0's download) is for work, not for a peer
-
-
 def ddp_setup(args):
-    """Join the job (alone, a world of one); return rank, world_size, local_rank, device."""
-    if args.device not in ('cpu', 'cuda'):
-        raise common.SetupError(f'--device {args.device}: the distributed script trains on cpu, or on cuda, where '
-                                f'each process takes GPU LOCAL_RANK (CUDA_VISIBLE_DEVICES chooses which GPUs).')
-    rank, world_size, local_rank, launched = read_environment()
-    backend = args.backend or ('nccl' if args.device == 'cuda' else 'gloo')
-    if backend == 'nccl' and not (args.device == 'cuda' and torch.cuda.is_available()):
-        raise common.SetupError('backend nccl needs CUDA, which is not available here or not chosen: '
-                                'pass --device cuda on GPU nodes, or --backend gloo.')
-    if args.device == 'cuda':
-        common.check_device(f'cuda:{local_rank}')  # one GPU per process: at most as many processes as GPUs
-        torch.cuda.set_device(local_rank)  # before the process group, so NCCL binds this GPU
-        device = torch.device('cuda', local_rank)
-    else:
-        device = torch.device('cpu')
-    store = join(rank, world_size, device, args) if launched else dist.HashStore()
+    """Join the job (without torchrun: a world of one); return rank, world_size, local_rank, device."""
+    rank, world_size, local_rank, launched = peers.read_environment()
+    device, backend = peers.device_and_backend(args, local_rank)  # on GPUs: GPU LOCAL_RANK, with NCCL
+    store = peers.join(rank, world_size, device, args) if launched else dist.HashStore()
     # Training's collectives wait --collective-timeout for a peer, on gloo and NCCL alike (their own defaults:
-    # 30 and 10 minutes); the set-up's waits go through the store, with SETUP_TIMEOUT (on_ranks).
+    # 30 and 10 minutes); the set-up's waits (rank 0's download) take longer: peers.on_ranks.
     dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=args.collective_timeout))
     print(f'Rank {rank}/{world_size} (local rank {local_rank}, pid {os.getpid()}) on {device} with {backend}')
     return rank, world_size, local_rank, device
-
-
-def read_environment():
-    """RANK, WORLD_SIZE and LOCAL_RANK as torchrun sets them, or as plain launchers do (no LOCAL_RANK)."""
-    env_names = ('RANK', 'WORLD_SIZE', 'LOCAL_RANK', 'MASTER_ADDR', 'MASTER_PORT')
-    missing = [name for name in env_names if name not in os.environ]
-    if 'RANK' not in os.environ and int(os.environ.get('SLURM_NTASKS') or 1) > 1:
-        raise common.SetupError(
-            f'started by SLURM as {os.environ["SLURM_NTASKS"]} tasks without torchrun: each would train alone, and '
-            f'all would write one output folder. Start one torchrun per node inside srun instead: srun '
-            f'--ntasks-per-node=1 torchrun --nnodes=$SLURM_NNODES --nproc_per_node=<GPUs per node> '
-            f'--rdzv_backend=c10d --rdzv_endpoint=<first node>:29500 mnist_train_distributed.py')
-    if not any(name in os.environ for name in env_names[:3]):  # MASTER_* alone may be left from elsewhere
-        print('Not started by torchrun (no RANK, WORLD_SIZE, LOCAL_RANK): running as a world of one process.')
-        return 0, 1, 0, False
-    if missing == ['LOCAL_RANK']:  # Kubeflow's PyTorchJob, or DLC's python start command: one process per node
-        print('LOCAL_RANK is not set (started with python, not torchrun): one process on this node, LOCAL_RANK 0.')
-        os.environ['LOCAL_RANK'] = '0'
-    elif missing:
-        raise common.SetupError(f'the distributed environment is half set: {", ".join(missing)} missing while '
-                                f'{", ".join(n for n in env_names if n not in missing)} are set. Start the script with '
-                                f'torchrun, which sets them all (on DLC: the README\'s torchrun line).')
-    rank = int(os.environ["RANK"])
-    world_size = int(os.environ["WORLD_SIZE"])
-    local_rank = int(os.environ["LOCAL_RANK"])
-    return rank, world_size, local_rank, True
-
-
-def join(rank, world_size, device, args):
-    """Meet the other ranks at MASTER_ADDR:MASTER_PORT, saying so, and check one GPU per process; return the store."""
-    address, timeout = f'{os.environ["MASTER_ADDR"]}:{os.environ["MASTER_PORT"]}', args.join_timeout
-    print(f'Joining the job at {address} as rank {rank} of {world_size} (waiting up to {timeout:.0f}s for all ranks)')
-    # torchrun's agent hosts the store where it says so; otherwise rank 0 does, at MASTER_ADDR:MASTER_PORT.
-    is_master = rank == 0 and os.environ.get('TORCHELASTIC_USE_AGENT_STORE') != 'True'
-    deadline = time.monotonic() + timeout
-    while not is_master:  # waited for quietly, within the timeout: TCPStore's own retries log C++ stack dumps
-        try:
-            socket.create_connection((os.environ['MASTER_ADDR'], int(os.environ['MASTER_PORT'])),
-                                     timeout=max(0.1, min(5.0, deadline - time.monotonic()))).close()
-            break
-        except OSError as e:
-            if time.monotonic() >= deadline:
-                raise common.SetupError(f'rank {rank} could not reach the job at {address} within {timeout:.0f}s '
-                                        f'({e.strerror or e}). Check that MASTER_ADDR and MASTER_PORT name rank 0\'s '
-                                        f'node and that its job started; --join-timeout sets the wait.') from None
-            time.sleep(0.2)
-    store = dist.TCPStore(os.environ['MASTER_ADDR'], int(os.environ['MASTER_PORT']), world_size, is_master=is_master,
-                          timeout=timedelta(seconds=max(1.0, deadline - time.monotonic())), wait_for_workers=False)
-    hang = None
-    if os.environ.get('TORCHELASTIC_USE_AGENT_STORE') == 'True':
-        global agent_store
-        agent_store, hang = store, last_hang(store)
-        if hang:  # a stuck peer does not come back by itself: wait for it as long as a step would, no longer
-            timeout = min(timeout, args.collective_timeout)
-            deadline = min(deadline, time.monotonic() + timeout)
-            print(f'The last attempt stopped because {hang}: waiting {timeout:.0f}s (--collective-timeout) for it '
-                  f'to join again.')
-        store = attempt_store(store, rank, world_size, max(1.0, deadline - time.monotonic()))
-    keys = [f'joined/{r}' for r in range(world_size)]
-    if store is not None:
-        store.set(keys[rank], f'{socket.gethostname()} {gpu_name(device)}')
-    absent = absent_ranks(store, keys, deadline)
-    if absent:
-        reason = (f'It stopped answering in the last attempt ({hang}) and is still stuck: look at that node, then '
-                  f'start the job again (on DLC, from the console); it resumes from its checkpoint.' if hang else
-                  'Check that every node started with the same MASTER_ADDR, MASTER_PORT and WORLD_SIZE; '
-                  '--join-timeout sets the wait.')
-        raise common.SetupError(f'rank{"s" if len(absent) > 1 else ""} {", ".join(map(str, absent))} of '
-                                f'{world_size} did not join the job at {address} within {timeout:.0f}s. {reason}')
-    store.set_timeout(SETUP_TIMEOUT)  # from here on, waits are for work (a download), not for ranks
-    global job_store
-    job_store = store
-    if hang and rank == 0:
-        agent_store.delete_key('mnist/hang')  # every rank is back: a later restart waits --join-timeout again
-    if device.type == 'cuda':
-        message = shared_gpus([store.get(key).decode() for key in keys])
-        if message:
-            raise common.SetupError(message)
-    return store
-
-
-def absent_ranks(store, keys, deadline):
-    """Wait until every rank has set its key; the ranks that have not by the deadline ([0] where rank 0 started
-    no store for this attempt)."""
-    if store is None:
-        return [0]
-    while not store.check(keys):  # polled, not store.wait(): its timeout logs C++ warnings on newer torch
-        if time.monotonic() >= deadline:
-            return [r for r, key in enumerate(keys) if not store.check([key])]
-        time.sleep(0.1)
-    return []
-
-
-def gpu_name(device):
-    """What tells this process's GPU from the others of its host, whatever CUDA_VISIBLE_DEVICES each process
-    has: its uuid, or where torch has none (2.3) its PCI bus id; 'cpu' on the CPU."""
-    if device.type != 'cuda':
-        return 'cpu'
-    uuid = getattr(torch.cuda.get_device_properties(device), 'uuid', None)
-    return str(uuid) if uuid else pci_bus_id(device.index)
-
-
-def pci_bus_id(index):
-    """The PCI bus id ('0000:3B:00.0') of this process's CUDA device `index`, from the CUDA runtime torch has
-    loaded; where it cannot be read, the device's place among the visible ones (which tells fewer cases)."""
-    import ctypes
-    import ctypes.util
-    with contextlib.suppress(OSError):
-        with open('/proc/self/maps') as maps:  # the very library torch uses (Linux)
-            loaded = [line.split()[-1] for line in maps if 'libcudart' in line]
-        for path in [*loaded, ctypes.util.find_library('cudart')]:
-            if not path:
-                continue
-            runtime, bus_id = ctypes.CDLL(path), ctypes.create_string_buffer(32)
-            if runtime.cudaDeviceGetPCIBusId(bus_id, len(bus_id), index) == 0:  # cudaSuccess
-                return f'PCI {bus_id.value.decode()}'
-    return f'cuda:{index} of CUDA_VISIBLE_DEVICES={os.environ.get("CUDA_VISIBLE_DEVICES", "all")}'
-
-
-def last_hang(agent_store):
-    """Which ranks stopped answering in the last attempt of this job, and where, as recorded in torchrun's store
-    by the rank that waited for them (peer_lost); None if none did."""
-    if not agent_store.check(['mnist/hang']):
-        return None
-    return agent_store.get('mnist/hang').decode()
-
-
-def attempt_store(agent_store, rank, world_size, timeout):
-    """A store of this restart attempt's own, served by rank 0; its port is passed on through torchrun's.
-
-    torchrun's store outlives restarts (pytorch/pytorch#135712: shared across c10d rounds), and with
-    --rdzv_backend=c10d the nodes' TORCHELASTIC_RESTART_COUNT differ after a membership change: no prefix
-    both agree on. In a dead attempt's keys a restarted rank would find dead addresses (a Gloo "Connection
-    refused", an NCCL hang). Each attempt's store takes its world's arrivals once: one that has had them all
-    is a dead attempt's (its rank 0 may not have exited yet), and its port is read again.
-    """
-    host = os.environ['MASTER_ADDR']
-    if rank == 0:
-        store = dist.TCPStore(host, 0, world_size, is_master=True, timeout=timedelta(seconds=timeout),
-                              wait_for_workers=False)
-        store.add('arrivals', 1)
-        agent_store.set('mnist/attempt_store_port', str(store.port))
-        return store
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        port = int(agent_store.get('mnist/attempt_store_port'))  # waits, within the timeout, for a first one
-        found = []
-
-        def connect():  # on a thread: the store of a stuck rank 0 accepts connections and never answers
-            with contextlib.suppress(OSError, RuntimeError):  # a dead attempt's port, or its rank 0 exiting now
-                socket.create_connection((host, port), timeout=5).close()  # quietly, before TCPStore's noisy retries
-                store = dist.TCPStore(host, port, world_size, is_master=False, timeout=timedelta(seconds=timeout))
-                if store.add('arrivals', 1) <= world_size:
-                    found.append(store)
-        thread = threading.Thread(target=connect, daemon=True)
-        thread.start()
-        thread.join(max(0.1, min(10.0, deadline - time.monotonic())))
-        if found:
-            return found[0]
-        time.sleep(0.2)
-    return None  # rank 0 has not started this attempt's store
-
-
-def shared_gpus(placements):
-    """Given each rank's 'host gpu', say which ranks share a GPU (None if none do): one process per GPU."""
-    ranks_on = {}
-    for rank, placement in enumerate(placements):
-        ranks_on.setdefault(placement, []).append(rank)
-    shared = [(placement.split()[0], ranks) for placement, ranks in ranks_on.items() if len(ranks) > 1]
-    if not shared:
-        return None
-    where = '; '.join(f'ranks {", ".join(map(str, ranks))} on one GPU of {host}' for host, ranks in shared)
-    return (f'two processes landed on the same GPU ({where}). Start one process per GPU: --nproc_per_node at '
-            f'most the GPUs of each node, and each node of the job on a host of its own.')
-
-
-def peer_lost(error, epoch, rank, world_size, timeout):
-    """The paragraph a surviving rank stops with when a collective fails: which ranks are gone, or stopped
-    answering (hung: a collective waited `timeout` seconds for them), where, and what next."""
-    cause = re.sub(r'^\[[^]]*\] ', '', str(error).splitlines()[0]).split('. ')[0][:160]  # less the source file
-    if job_store is None or not re.search(r'onnect|peer|NCCL|[Tt]imed out|closed', cause):
-        return error  # not a lost peer: the traceback says what it is
-    missing, hosts = silent_ranks(epoch, rank, world_size)
-    ranks = f'rank{"s" * (len(missing) > 1)} {", ".join(map(str, missing)) or "?"} of {world_size}'
-    if not re.search(r'[Tt]imed out|[Tt]imeout', cause):  # its connection closed: the process is gone
-        return common.SetupError(
-            f'rank {rank} lost {ranks} during epoch {epoch} ({cause}): its process or node is gone. A torchrun '
-            f'started with --max-restarts restarts the job now; otherwise start the same command again on every '
-            f'node. Either resumes from epoch {epoch}.')
-    hang = f'{ranks} on {", ".join(sorted(set(hosts))) or "?"} stopped answering during epoch {epoch}'
-    if agent_store is not None and restarts_left():
-        with contextlib.suppress(Exception):  # for the next attempt's wait (join); torchrun's agent keeps it
-            agent_store.set('mnist/hang', hang)
-    then = (f'torchrun restarts this node\'s processes now; they wait {timeout:g}s for it to join again, and the job '
-            f'ends if it does not' if restarts_left() and agent_store is not None else 'this process stops now')
-    return common.SetupError(
-        f'rank {rank} waited {timeout:g}s for {ranks} ({", ".join(hosts) or "host unknown"}) during epoch {epoch} '
-        f'({cause}): it stopped answering, but its process may still be alive and stuck (a hung data mount or disk, a '
-        f'frozen GPU, a network that drops packets, a stopped process): look at that node. Then {then}. Once it is '
-        f'healthy, start the job again (on DLC, from the console; otherwise the same command on every node): it '
-        f'resumes from epoch {epoch}.')
-
-
-def silent_ranks(epoch, rank, world_size):
-    """The ranks that do not say they are alive on the job's store within a few seconds, and their hosts. When the
-    store itself does not answer, its host is the silent one: rank 0."""
-    answer = []
-
-    def ask():  # on a thread: the store of a stuck rank 0 accepts connections and never answers
-        with contextlib.suppress(Exception):  # the store went with rank 0, its host
-            socket.create_connection((job_store.host, job_store.port), timeout=5).close()  # quietly, first
-            job_store.set(f'alive/{epoch}/{rank}', '1')
-            time.sleep(2)
-            missing = [r for r in range(world_size) if not job_store.check([f'alive/{epoch}/{r}'])]
-            answer.append((missing, [job_store.get(f'joined/{r}').decode().split()[0] for r in missing]))
-    time.sleep(1)  # a lost store's host has closed its port by now
-    thread = threading.Thread(target=ask, daemon=True)
-    thread.start()
-    thread.join(15)
-    return answer[0] if answer else ([0], [job_store.host])
-
-
-@contextlib.contextmanager
-def peers_watched(epoch, rank, world_size, timeout):
-    """Turn a failed collective (RuntimeError, DistBackendError too) into peer_lost's paragraph."""
-    try:
-        yield
-    except RuntimeError as e:
-        raise peer_lost(e, epoch, rank, world_size, timeout) from None
-
-
-def on_ranks(selected, fn, *args):
-    """fn(*args) on the selected ranks while the others wait; rank 0's result for all, or everyone raises.
-    The wait goes through the job's store, with SETUP_TIMEOUT: a download slower than --collective-timeout, or
-    than NCCL's watchdog, is no lost peer."""
-    result, error = None, None
-    if selected:
-        try:
-            result = fn(*args)
-        except Exception as e:
-            error = e
-    if job_store is None:  # a world of one
-        if error is not None:
-            raise error
-        return result
-    global setup_step
-    setup_step += 1
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    keys = [f'setup/{setup_step}/{r}' for r in range(world_size)]
-    job_store.set(keys[rank], pickle.dumps((result if rank == 0 else None, None if error is None else str(error))))
-    deadline = time.monotonic() + SETUP_TIMEOUT.total_seconds()
-    while not job_store.check(keys):  # polled: see join
-        if time.monotonic() > deadline:
-            late = [r for r, key in enumerate(keys) if not job_store.check([key])]
-            raise common.SetupError(f'rank{"s" * (len(late) > 1)} {", ".join(map(str, late))} of {world_size} did '
-                                    f'not finish setting up (reading the checkpoint, or the MNIST download) within '
-                                    f'{SETUP_TIMEOUT.total_seconds():.0f}s: look at its node\'s log.')
-        time.sleep(0.05)
-    replies = [pickle.loads(job_store.get(key)) for key in keys]
-    # The store may live in rank 0's process: it ends only once every rank has read the replies.
-    read = job_store.add(f'setup/{setup_step}/read', 1)
-    while rank == 0 and read < world_size and any(message for _, message in replies) and time.monotonic() < deadline:
-        time.sleep(0.05)
-        read = job_store.add(f'setup/{setup_step}/read', 0)
-    if error is not None:
-        raise error
-    for r, (_, message) in enumerate(replies):
-        if message is not None:
-            error = common.SetupError(f'rank {r} failed during set-up: {message}')
-            error.origin = r  # another rank's failure, not this one's
-            raise error
-    return replies[0][0]
-
-
-def restarts_left():
-    """Whether torchrun will start this node's processes again when this one fails."""
-    return int(os.environ.get('TORCHELASTIC_MAX_RESTARTS', 0)) > int(os.environ.get('TORCHELASTIC_RESTART_COUNT', 0))
-
-
-def report_failure(error):
-    """Say why this process stops, in one paragraph: on stderr, or where torchrun will not restart it, in the
-    error file torchrun hands each worker (as torch.distributed.elastic's @record writes it), which its failure
-    report quotes, naming the rank where the failure began as the root cause."""
-    message, path = f'error: {error}', os.environ.get('TORCHELASTIC_ERROR_FILE')
-    if not path or restarts_left():
-        sys.stderr.write(message + '\n')  # one write: the ranks of a job share the stream
-        return
-    origin = getattr(error, 'origin', None)
-    if origin is not None:  # its paragraph is in the report of rank `origin`'s node; dated a second later
-        message = f'error: stopped because rank {origin} failed during set-up (the root cause: see its node\'s report)'
-    with open(path, 'w') as f:  # the report shows py_callstack: here the paragraph, not a traceback
-        json.dump({'message': {'message': message, 'extraInfo': {
-            'py_callstack': message, 'timestamp': str(int(time.time()) + (origin is not None))}}}, f)
-    first = int(os.environ['RANK']) - int(os.environ['LOCAL_RANK'])  # the ranks of a node are consecutive
-    if origin in range(first, first + int(os.environ.get('LOCAL_WORLD_SIZE', 1))):  # rank `origin` is on this node
-        # torchrun reports only the processes it has seen fail, then stops the others (newer ones than torch 2.3's
-        # add these since pytorch/pytorch#160908): ending first, this process could be the only one it names.
-        time.sleep(30)  # until torchrun stops it, once rank `origin` has ended
 
 
 def train(model, train_loader, optimizer, criterion, epoch, device, writer, log_interval, rank, local_rank, world_size):
@@ -462,7 +140,7 @@ def validate(model, val_loader, criterion, device, writer, epoch, rank):
 def prepare_data(args, rank, world_size, local_rank, device):
     """The data of this rank: its sampler and loader of the training set, and its share of the test set."""
     for first in (rank == 0, local_rank == 0 and rank != 0):
-        on_ranks(first, common.prepare_mnist, args.data_dir)
+        peers.on_ranks(first, common.prepare_mnist, args.data_dir)
     train_dataset = datasets.MNIST(root=args.data_dir, train=True, download=False, transform=transform)
     val_dataset = datasets.MNIST(root=args.data_dir, train=False, download=False, transform=transform)
     train_sampler = DistributedSampler(train_dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed)
@@ -481,7 +159,7 @@ def main(args):
 
     # Restarts: checked before any data is read; an earlier run's checkpoint.pth is picked up
     best_model_path = os.path.join(args.output_dir, 'best_model.pth')
-    checkpoint = on_ranks(rank == 0, common.load_checkpoint, args)
+    checkpoint = peers.on_ranks(rank == 0, common.load_checkpoint, args)
     if common.training_complete(checkpoint, num_epochs, best_model_path, main_process=rank == 0):
         return
 
@@ -509,7 +187,7 @@ def main(args):
         epoch_start = time.perf_counter()
         train_sampler.set_epoch(epoch)  # a new order each epoch, the same one after a restart
         # A failed or timed-out collective: which rank is gone or hung, in one paragraph
-        with peers_watched(epoch, rank, world_size, args.collective_timeout):
+        with peers.watched(epoch, rank, world_size, args.collective_timeout):
             train(model, train_loader, optimizer, criterion, epoch, device, writer, args.log_interval, rank, local_rank,
                   world_size)
             val_loss, val_accuracy = validate(model, val_loader, criterion, device, writer, epoch, rank)
@@ -545,10 +223,7 @@ if __name__ == '__main__':
     except common.SetupError as e:
         if args.debug:
             raise
-        # Failing already: torchrun's SIGTERM to the other processes ends them quietly
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(signum, signal.SIG_DFL)
-        report_failure(e)
+        peers.report_failure(e)  # one paragraph, in torchrun's report where it makes one
         sys.exit(1)
     except BrokenPipeError:  # the reader of its output is gone (| head): end quietly, as Unix tools do
         sys.exit(141)  # 128 + SIGPIPE, as the shell reports a tool ended by it

@@ -331,42 +331,23 @@ def test_a_rank_left_alone_says_where_it_waits_and_stops_in_time(rank, tmp_path)
 
 
 def test_two_processes_on_one_gpu_are_named():
-    import importlib
-    script = importlib.import_module('mnist_train_distributed')
-    assert script.shared_gpus(['node-a GPU-1', 'node-a GPU-2', 'node-b GPU-1']) is None
-    message = script.shared_gpus(['node-a GPU-1', 'node-a GPU-2', 'node-a GPU-1', 'node-b GPU-7', 'node-b GPU-7'])
+    import peers
+    assert peers.shared_gpus(['node-a GPU-1', 'node-a GPU-2', 'node-b GPU-1']) is None
+    message = peers.shared_gpus(['node-a GPU-1', 'node-a GPU-2', 'node-a GPU-1', 'node-b GPU-7', 'node-b GPU-7'])
     assert message.startswith('two processes landed on the same GPU (ranks 0, 2 on one GPU of node-a; '
                               'ranks 3, 4 on one GPU of node-b)')
     assert '--nproc_per_node' in message
 
 
-def test_one_gpu_is_told_by_its_pci_bus_id_where_torch_has_no_uuid(monkeypatch):
-    # torch 2.3's device properties have no uuid. Two processes on one GPU under different CUDA_VISIBLE_DEVICES
-    # orders (A sees 0,1 and takes cuda:0; B sees 1,0 and takes cuda:1) must still be found sharing it.
-    import ctypes
-    import ctypes.util
-    import importlib
+def test_one_gpu_is_told_by_its_uuid_or_where_torch_has_none_by_its_place_among_the_visible(monkeypatch):
+    # torch 2.3's device properties have no uuid; its NCCL names two ranks on one GPU itself.
     import types
-    script = importlib.import_module('mnist_train_distributed')
-    monkeypatch.setattr(script.torch.cuda, 'get_device_properties', lambda device: types.SimpleNamespace())
-    views = {'A': {0: b'0000:3B:00.0', 1: b'0000:5E:00.0'}, 'B': {0: b'0000:5E:00.0', 1: b'0000:3B:00.0'}}
-    view = 'A'
-
-    class Runtime:  # the CUDA runtime's cudaDeviceGetPCIBusId, as each process sees its devices
-        def __init__(self, path):
-            pass
-
-        def cudaDeviceGetPCIBusId(self, buffer, length, index):
-            buffer.value = views[view][index]
-            return 0
-    monkeypatch.setattr(ctypes, 'CDLL', Runtime)
-    monkeypatch.setattr(ctypes.util, 'find_library', lambda name: 'libcudart.so.12')
-    a = script.gpu_name(torch.device('cuda', 0))
-    view = 'B'
-    b = script.gpu_name(torch.device('cuda', 1))
-    assert a == b == 'PCI 0000:3B:00.0'
-    assert script.shared_gpus([f'node-a {a}', f'node-a {b}']).startswith(
-        'two processes landed on the same GPU (ranks 0, 1 on one GPU of node-a)')
-    assert script.gpu_name(torch.device('cuda', 0)) != b, 'B\'s cuda:0 is the other GPU'
-    monkeypatch.setattr(script.torch.cuda, 'get_device_properties', lambda device: types.SimpleNamespace(uuid='u-1'))
-    assert script.gpu_name(torch.device('cuda', 0)) == 'u-1'  # newer torch: the uuid
+    import peers
+    monkeypatch.setattr(peers.torch.cuda, 'get_device_properties', lambda device: types.SimpleNamespace(uuid='u-1'))
+    assert peers.gpu_name(torch.device('cuda', 0)) == 'u-1'
+    monkeypatch.setattr(peers.torch.cuda, 'get_device_properties', lambda device: types.SimpleNamespace())
+    monkeypatch.setenv('CUDA_VISIBLE_DEVICES', '1,0')
+    assert peers.gpu_name(torch.device('cuda', 1)) == 'cuda:1 of CUDA_VISIBLE_DEVICES=1,0'
+    monkeypatch.delenv('CUDA_VISIBLE_DEVICES')
+    assert peers.gpu_name(torch.device('cuda', 0)) == 'cuda:0 of CUDA_VISIBLE_DEVICES=all'
+    assert peers.gpu_name(torch.device('cpu')) == 'cpu'

@@ -1,6 +1,6 @@
 """Train the quick-start's CNN on MNIST in one process (PAI-DLC quick start, part 3).
 
-Start command on DLC (upload common.py beside this script):
+Start command on DLC (upload common.py and review.py beside this script):
   python /mnt/data/mnist_train.py
 On your own machine:
   python mnist_train.py --data-dir ./data --output-dir ./output/single
@@ -22,10 +22,11 @@ from torch.utils.tensorboard import SummaryWriter
 
 try:
     import common
+    import review
 except ModuleNotFoundError as e:  # the script uploaded alone
-    if e.name != 'common':
+    if e.name not in ('common', 'review'):
         raise
-    sys.exit(f'error: common.py is missing: upload it beside {os.path.abspath(__file__)} (on DLC, to the same '
+    sys.exit(f'error: {e.name}.py is missing: upload it beside {os.path.abspath(__file__)} (on DLC, to the same '
              f'folder of the dataset as the script).')
 
 # Data preprocessing, as in the document
@@ -149,7 +150,7 @@ def main(args):
         epoch_time = time.perf_counter() - epoch_start
         print(f'Epoch {epoch} done in {epoch_time:.2f}s ({len(train_loader.dataset) / epoch_time:.0f} samples/s)')
     # TensorBoard's other tabs: the best model's mistakes, PR curves, graph, hyperparameters
-    common.review_best_model(writer, args, best_model_path, val_loader, best_val_accuracy, best_epoch, 1)
+    review.best_model(writer, args, best_model_path, val_loader, best_val_accuracy, best_epoch, 1)
     writer.close()
     print(f'Best accuracy {best_val_accuracy:.2f}% at epoch {best_epoch}, saved in {best_model_path}; '
           f'{num_epochs - start_epoch} epochs in {time.perf_counter() - run_start:.1f}s')

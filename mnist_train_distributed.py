@@ -1,7 +1,7 @@
 """Train the quick-start's CNN on MNIST with DistributedDataParallel (PAI-DLC quick start, part 4).
 
-Start command on DLC (upload common.py beside this script; DLC sets WORLD_SIZE, RANK, MASTER_ADDR and
-MASTER_PORT, and NPROC_PER_NODE for nodes with several GPUs):
+Start command on DLC (upload common.py, peers.py and review.py beside this script; DLC sets WORLD_SIZE, RANK,
+MASTER_ADDR and MASTER_PORT, and NPROC_PER_NODE for nodes with several GPUs):
   torchrun --nproc_per_node=1 --nnodes=${WORLD_SIZE} --node_rank=${RANK} \\
       --master_addr=${MASTER_ADDR} --master_port=${MASTER_PORT} /mnt/data/mnist_train_distributed.py
 On your own machine (2 CPU processes):
@@ -29,8 +29,9 @@ from torch.utils.tensorboard import SummaryWriter
 try:
     import common
     import peers
+    import review
 except ModuleNotFoundError as e:  # the script uploaded alone
-    if e.name not in ('common', 'peers'):
+    if e.name not in ('common', 'peers', 'review'):
         raise
     sys.exit(f'error: {e.name}.py is missing: upload it beside {os.path.abspath(__file__)} (on DLC, to the same '
              f'folder of the dataset as the script).')
@@ -77,9 +78,17 @@ def parse_args():
 
 
 def ddp_setup(args):
-    """Join the job (without torchrun: a world of one); return rank, world_size, local_rank, device."""
-    rank, world_size, local_rank, launched = peers.read_environment()
-    device, backend = peers.device_and_backend(args, local_rank)  # on GPUs: GPU LOCAL_RANK, with NCCL
+    """Join the job (started without torchrun: a world of one); return rank, world_size, local_rank, device."""
+    launched = peers.check_environment()  # RANK, WORLD_SIZE, LOCAL_RANK, as torchrun sets them
+    rank = int(os.environ["RANK"])
+    world_size = int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ["LOCAL_RANK"])
+    backend = peers.check_backend(args, local_rank)  # nccl on GPUs, gloo on CPUs
+    if args.device == 'cuda':
+        torch.cuda.set_device(local_rank)  # before the process group, so NCCL binds this GPU
+        device = torch.device('cuda', local_rank)
+    else:
+        device = torch.device('cpu')
     store = peers.join(rank, world_size, device, args) if launched else dist.HashStore()
     # Training's collectives wait --collective-timeout for a peer, on gloo and NCCL alike (their own defaults:
     # 30 and 10 minutes); the set-up's waits (rank 0's download) take longer: peers.on_ranks.
@@ -205,7 +214,7 @@ def main(args):
     if rank != 0:
         return
     # TensorBoard's other tabs: the best model's mistakes, PR curves, graph, hyperparameters
-    common.review_best_model(writer, args, best_model_path, val_loader, best_val_accuracy, best_epoch, world_size)
+    review.best_model(writer, args, best_model_path, val_loader, best_val_accuracy, best_epoch, world_size)
     writer.close()
     print(f'Best accuracy {best_val_accuracy:.2f}% at epoch {best_epoch}, saved in {best_model_path}; '
           f'{num_epochs - start_epoch} epochs in {time.perf_counter() - run_start:.1f}s')

@@ -9,7 +9,7 @@ What it guarantees:
 - A restarted attempt never meets a dead attempt's addresses, and waits for a peer that hung before only
   as long as a step would (--collective-timeout).
 
-The script calls read_environment, device_and_backend, join, on_ranks, watched and report_failure.
+The script calls check_environment, check_backend, join, on_ranks, watched and report_failure.
 """
 import contextlib
 import json
@@ -33,9 +33,9 @@ _agent_store = None  # torchrun's own store, where it has one: it outlives this 
 _setup_group = None  # the set-up's waits, on gloo with SETUP_TIMEOUT (on_ranks)
 
 
-def read_environment():
-    """RANK, WORLD_SIZE and LOCAL_RANK as torchrun sets them, or as plain launchers do (no LOCAL_RANK); and
-    whether a launcher set them at all (else a world of one)."""
+def check_environment():
+    """Whether a launcher set RANK, WORLD_SIZE and LOCAL_RANK, as torchrun does; a plain launcher's one process a
+    node (no LOCAL_RANK) gets LOCAL_RANK 0, and a script started without one runs as a world of one."""
     env_names = ('RANK', 'WORLD_SIZE', 'LOCAL_RANK', 'MASTER_ADDR', 'MASTER_PORT')
     missing = [name for name in env_names if name not in os.environ]
     if 'RANK' not in os.environ and int(os.environ.get('SLURM_NTASKS') or 1) > 1:
@@ -46,7 +46,8 @@ def read_environment():
             f'--rdzv_backend=c10d --rdzv_endpoint=<first node>:29500 mnist_train_distributed.py')
     if not any(name in os.environ for name in env_names[:3]):  # MASTER_* alone may be left from elsewhere
         print('Not started by torchrun (no RANK, WORLD_SIZE, LOCAL_RANK): running as a world of one process.')
-        return 0, 1, 0, False
+        os.environ.update(RANK='0', WORLD_SIZE='1', LOCAL_RANK='0')
+        return False
     if missing == ['LOCAL_RANK']:  # Kubeflow's PyTorchJob, or DLC's python start command: one process per node
         print('LOCAL_RANK is not set (started with python, not torchrun): one process on this node, LOCAL_RANK 0.')
         os.environ['LOCAL_RANK'] = '0'
@@ -54,12 +55,12 @@ def read_environment():
         raise SetupError(f'the distributed environment is half set: {", ".join(missing)} missing while '
                          f'{", ".join(n for n in env_names if n not in missing)} are set. Start the script with '
                          f'torchrun, which sets them all (on DLC: the README\'s torchrun line).')
-    return int(os.environ['RANK']), int(os.environ['WORLD_SIZE']), int(os.environ['LOCAL_RANK']), True
+    return True
 
 
-def device_and_backend(args, local_rank):
-    """This process's device, and the process group's backend: on GPUs, GPU LOCAL_RANK (set as the current one,
-    so that NCCL binds it) and NCCL; else the CPU and gloo."""
+def check_backend(args, local_rank):
+    """The process group's backend, --backend or by default NCCL on GPUs and gloo on CPUs, once --device is one
+    the distributed script takes: cpu, or cuda, where the process takes GPU LOCAL_RANK."""
     if args.device not in ('cpu', 'cuda'):
         raise SetupError(f'--device {args.device}: the distributed script trains on cpu, or on cuda, where '
                          f'each process takes GPU LOCAL_RANK (CUDA_VISIBLE_DEVICES chooses which GPUs).')
@@ -67,11 +68,9 @@ def device_and_backend(args, local_rank):
     if backend == 'nccl' and not (args.device == 'cuda' and torch.cuda.is_available()):
         raise SetupError('backend nccl needs CUDA, which is not available here or not chosen: '
                          'pass --device cuda on GPU nodes, or --backend gloo.')
-    if args.device == 'cpu':
-        return torch.device('cpu'), backend
-    check_device(f'cuda:{local_rank}')  # one GPU per process: at most as many processes as GPUs
-    torch.cuda.set_device(local_rank)
-    return torch.device('cuda', local_rank), backend
+    if args.device == 'cuda':
+        check_device(f'cuda:{local_rank}')  # one GPU per process: at most as many processes as GPUs
+    return backend
 
 
 def join(rank, world_size, device, args):

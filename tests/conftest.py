@@ -278,7 +278,7 @@ def torchrun_report(output):
 
 
 def read_review(log_dir):
-    """What review_best_model wrote, as TensorBoard's reader sees it: {'images': {tag: [steps]}, 'pr_curves':
+    """What review.best_model wrote, as TensorBoard's reader sees it: {'images': {tag: [steps]}, 'pr_curves':
     [tags], 'graph': bool, 'hparams': bool, 'matrix': the 10x10 confusion matrix (rows true) of the last step,
     'mistakes': the count the text states}."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

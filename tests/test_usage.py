@@ -13,21 +13,24 @@ from conftest import ROOT, run, script_env
 
 
 @pytest.mark.one_leg  # torch-independent: argparse's text
-@pytest.mark.parametrize('script, start_command', [
-    ('mnist_train.py', 'python /mnt/data/mnist_train.py'),
-    ('mnist_train_distributed.py', 'torchrun --nproc_per_node=1 --nnodes=${WORLD_SIZE} --node_rank=${RANK}'),
+@pytest.mark.parametrize('script, start_command, modules', [
+    ('mnist_train.py', 'python /mnt/data/mnist_train.py', 'common.py and review.py'),
+    ('mnist_train_distributed.py', 'torchrun --nproc_per_node=1 --nnodes=${WORLD_SIZE} --node_rank=${RANK}',
+     'common.py, peers.py and review.py'),
 ])
-def test_help_shows_the_dlc_start_command_and_the_output(script, start_command):
+def test_help_shows_the_dlc_start_command_and_the_output(script, start_command, modules):
     _, stdout, _ = run([sys.executable, ROOT / script, '--help'])
     assert start_command in stdout
     assert 'best_model.pth' in stdout and 'checkpoint.pth' in stdout and 'runs/mnist_experiment' in stdout
-    assert 'upload common.py beside this script' in stdout
+    assert f'upload {modules} beside this script' in ' '.join(stdout.split())
     assert 'counting those done before a restart' in stdout  # --epochs is a total
 
 
 @pytest.mark.one_leg  # torch-independent: the import's error
 @pytest.mark.parametrize('script, beside, missing', [
-    ('mnist_train.py', [], 'common.py'), ('mnist_train_distributed.py', [], 'common.py'),
+    ('mnist_train.py', [], 'common.py'), ('mnist_train.py', ['common.py'], 'review.py'),
+    ('mnist_train_distributed.py', [], 'common.py'), ('mnist_train_distributed.py', ['common.py'], 'peers.py'),
+    ('mnist_train_distributed.py', ['common.py', 'peers.py'], 'review.py'),
     ('serve.py', [], 'common.py'), ('serve.py', ['common.py'], 'framing.py'),
     ('serve.py', ['common.py', 'framing.py'], 'asgi.py'),
 ])
@@ -292,3 +295,22 @@ def test_gpu_check_runs_every_check_on_the_cpu_and_fails_for_a_failed_one(mnist_
     assert re.search(r'^check serve: ok: 20 test digits: 20/20 as on cpu', stdout, re.M)
     assert stdout.splitlines()[-1] == 'gpu-check: 5 passed, 1 failed, 1 skipped' and returncode == 1
     assert left_in(temporary) == []  # the digits served and torchrun's folders are in the output folder
+
+
+@pytest.mark.one_leg  # which files the scripts import does not depend on torch's version
+def test_the_top_level_py_files_are_all_that_a_dlc_job_needs(mnist_dir, tmp_path):
+    """README's upload list, copied alone into an empty folder as into DLC's dataset mount; both start commands
+    run from there, with nothing of the repository on the path."""
+    from conftest import free_port, torchrun
+    mount = tmp_path / 'mnt_data'
+    mount.mkdir()
+    for path in ROOT.glob('*.py'):
+        shutil.copy(path, mount)
+    env = script_env(PYTHONPATH='')
+    fast = ('--data-dir', mnist_dir, '--epochs', '1', '--batch-size', '64', '--log-interval', '5')
+    run([sys.executable, mount / 'mnist_train.py', *fast, '--output-dir', tmp_path / 'single'], env=env)
+    run(torchrun('--nproc_per_node=1', '--nnodes=1', '--node_rank=0', '--master_addr=127.0.0.1',
+                 f'--master_port={free_port()}', mount / 'mnist_train_distributed.py', *fast,
+                 '--output-dir', tmp_path / 'distributed'), env=env)
+    for name in ('single', 'distributed'):
+        assert (tmp_path / name / 'best_model.pth').exists()

@@ -28,10 +28,8 @@ except ImportError:
 
 
 class SetupError(Exception):
-    """A problem the user can fix (flags, environment, data, output folder, checkpoint, full disk).
-
-    The scripts print it as one paragraph, without a traceback unless --debug is given, and exit 1.
-    """
+    """A problem the user can fix (flags, environment, data, output folder, checkpoint, full disk): the scripts
+    print it as one paragraph, without a traceback unless --debug is given, and exit 1."""
 
 
 # The most seconds a timeout flag takes, about 32 years: 'inf' or 1e99 meant "never", and crashed where the
@@ -323,11 +321,8 @@ _claimed = set()  # output folders this process holds locked (see claim)
 
 
 def save_atomic(obj, path):
-    """torch.save to a temporary file beside path, then rename it over path.
-
-    A kill at any moment leaves either the old file or the new one, never a torn one; a failed
-    write (a full disk) leaves the old one and no temporary file, and says which file and why.
-    """
+    """torch.save to a temporary file beside path, then rename it over path: a kill at any moment leaves either the
+    old file or the new one, never a torn one; a failed write (a full disk) leaves the old one and says why."""
     buffer = io.BytesIO()
     torch.save(obj, buffer)  # in memory first: torch.save turns a write error into an obscure one
     tmp_path = path + '.tmp'
@@ -376,10 +371,7 @@ def claim(folder):
 
 def load_checkpoint(args):
     """Check that --output-dir can be written and claim it; return its checkpoint.pth to resume from, or None.
-
-    Fails now, not after an epoch, on an unwritable folder; a damaged checkpoint is refused and kept,
-    and so is one trained with other hyperparameters (--lr, --batch-size, --seed) than args.
-    """
+    A damaged checkpoint is refused and kept, and so is one trained with other --lr, --batch-size or --seed."""
     folder = args.output_dir
     checkpoint_path = os.path.join(folder, 'checkpoint.pth')
     try:
@@ -441,10 +433,8 @@ def training_complete(checkpoint, num_epochs, best_model_path, main_process=True
 def resume(checkpoint, model, optimizer, best_model_path, main_process=True):
     """Load the checkpoint into model and optimizer; return (start_epoch, best_val_accuracy, best_epoch).
 
-    Without a checkpoint the run starts at epoch 0, and an earlier run (--no-resume) is set aside whole:
-    its best_model.pth and checkpoint.pth are kept as *.previous, so the folder never holds a checkpoint
-    whose best model is not there. main_process: this process prints and owns the output folder
-    (global rank 0).
+    Without a checkpoint the run starts at epoch 0, and the main process (global rank 0) sets an earlier run
+    (--no-resume) aside whole, as best_model.pth.previous and checkpoint.pth.previous.
     """
     global _epochs_saved
     _epochs_saved = 0 if checkpoint is None else checkpoint['epochs_done']
@@ -477,13 +467,9 @@ def save_checkpoint(args, writer, model, optimizer, epochs_done, best_val_accura
 
 
 def stop_on_signals(args, main_process=True):
-    """Make Ctrl-C (SIGINT), SIGTERM (what torchrun, Kubernetes and DLC send) and SIGHUP end the run at once.
-
-    SIGHUP: its terminal closed (an SSH session dropped); under nohup, which ignores it, it changes nothing.
-    No traceback and no temporary file are left; the main process says in one line where the run
-    stopped and how to resume; the exit code is 128 + the signal, 130, 143 or 129. Nothing needs
-    unwinding: every finished epoch is already on disk, and other ranks may be gone already.
-    """
+    """Make Ctrl-C (SIGINT), SIGTERM (what torchrun, Kubernetes and DLC send) and SIGHUP (a closed terminal;
+    under nohup nothing) end the run at once, with exit code 128 + the signal, no traceback and no temporary file
+    left, the main process saying in one line how to resume. Every finished epoch is already on disk."""
     def stop(signum, frame):
         for path in list(_writing):
             with contextlib.suppress(OSError):

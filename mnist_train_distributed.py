@@ -91,9 +91,10 @@ def ddp_setup(args):
         device = torch.device('cpu')
     store = peers.join(rank, world_size, device, args) if launched else dist.HashStore()
     # Training's collectives wait --collective-timeout for a peer, on gloo and NCCL alike (their own defaults:
-    # 30 and 10 minutes); the set-up's waits (rank 0's download) take longer: peers.on_ranks.
-    dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=args.collective_timeout))
+    # 30 and 10 minutes); the set-up's waits (rank 0's download) take longer: peers.on_ranks
+    with peers.connecting(rank, world_size):  # a rank that cannot be reached: named, with its host
+        dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=args.collective_timeout))
     print(f'Rank {rank}/{world_size} (local rank {local_rank}, pid {os.getpid()}) on {device} with {backend}')
     return rank, world_size, local_rank, device
 

@@ -9,14 +9,16 @@ What it guarantees:
 - A restarted attempt never meets a dead attempt's addresses, and waits for a peer that hung before only
   as long as a step would (--collective-timeout).
 
-The script calls check_environment, check_backend, join, on_ranks, watched and report_failure.
+The script calls check_environment, check_backend, join, connecting, on_ranks, watched and report_failure.
 """
 import contextlib
+import ipaddress
 import json
 import os
 import signal
 import re
 import socket
+import struct
 import sys
 import threading
 import time
@@ -80,6 +82,7 @@ def join(rank, world_size, device, args):
     host, port, timeout = os.environ['MASTER_ADDR'], int(os.environ['MASTER_PORT']), args.join_timeout
     address, deadline = f'{host}:{port}', time.monotonic() + timeout
     print(f'Joining the job at {address} as rank {rank} of {world_size} (waiting up to {timeout:.0f}s for all ranks)')
+    choose_gloo_interface(host)
     # torchrun's agent hosts the store where it says so; otherwise rank 0 does, at MASTER_ADDR:MASTER_PORT.
     in_agent = os.environ.get('TORCHELASTIC_USE_AGENT_STORE') == 'True'
     while in_agent or rank != 0:
@@ -121,11 +124,85 @@ def join(rank, world_size, device, args):
     shared = device.type == 'cuda' and shared_gpus([store.get(key).decode() for key in keys])
     if shared:
         raise SetupError(shared)
-    store.set_timeout(SETUP_TIMEOUT)  # from here on, waits are for work (a download), not for ranks
+    # From here on every rank has come: making the process group waits as long as a step would (the set-up's waits
+    # for work, rank 0's download, go through a group of their own: on_ranks)
+    store.set_timeout(timedelta(seconds=args.collective_timeout))
     _job_store = store
     if hang and rank == 0:
         _agent_store.delete_key('mnist/hang')  # every rank is back: a later restart waits --join-timeout again
     return store
+
+
+def choose_gloo_interface(master_addr):
+    """Where this host's name resolves to a loopback address or to none, gloo would listen on the loopback
+    interface, which the other hosts cannot reach: have it take the interface toward MASTER_ADDR (Linux's
+    SIOCGIFADDR names it), unless GLOO_SOCKET_IFNAME chooses one or MASTER_ADDR is itself a loopback address."""
+    def loopback_addresses(name):  # [] for a name that does not resolve, None for one with another address
+        with contextlib.suppress(OSError):
+            found = sorted({info[4][0] for info in socket.getaddrinfo(name, None)})
+            return found if all(ipaddress.ip_address(a.split('%')[0]).is_loopback for a in found) else None
+        return []
+    hostname = socket.gethostname()
+    if 'GLOO_SOCKET_IFNAME' in os.environ or loopback_addresses(master_addr) is not None:
+        return
+    resolved = loopback_addresses(hostname)
+    if resolved is None:
+        return
+    with contextlib.suppress(OSError, ImportError), socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        import fcntl  # not on Windows
+        probe.connect((master_addr, 9))  # sends nothing: the system picks the route, and this end's address
+        address = probe.getsockname()[0]
+        for _, interface in socket.if_nameindex():
+            with contextlib.suppress(OSError):  # an interface without an IPv4 address
+                request = fcntl.ioctl(probe.fileno(), 0x8915, struct.pack('256s', interface.encode()[:15]))
+                if socket.inet_ntoa(request[20:24]) == address:
+                    os.environ['GLOO_SOCKET_IFNAME'] = interface
+                    print(f'This host\'s name {hostname} resolves to {", ".join(resolved) or "no address"}, which '
+                          f'the other hosts cannot reach: gloo takes {interface} ({address}), the interface toward '
+                          f'MASTER_ADDR {master_addr}; GLOO_SOCKET_IFNAME chooses another.')
+                    return
+
+
+@contextlib.contextmanager
+def connecting(rank, world_size):
+    """Turn a failure to make the process group (a rank gloo or NCCL could not connect to, or waited for) into one
+    paragraph naming that rank and its host. A rank that fails says so in the job's store, and the others, waiting
+    for it inside gloo (five times --collective-timeout), stop at once with its name."""
+    done = threading.Event()
+
+    def watch():
+        while not done.wait(0.5):
+            with contextlib.suppress(Exception):  # the store went with its host: gloo's own wait ends this one
+                failed = [r for r in range(world_size) if r != rank and _job_store.check([f'unconnected/{r}'])]
+                if failed and not done.is_set():
+                    error = SetupError(f'rank {failed[0]} of {world_size} ({host_of(failed[0])}) could not connect to '
+                                       f'the others while the process group was being made: see its paragraph.')
+                    error.origin = failed[0]
+                    report_failure(error)
+                    os._exit(1)
+    threading.Thread(target=watch, daemon=True).start()
+    try:
+        yield
+    except RuntimeError as e:  # DistBackendError and DistStoreError too
+        done.set()
+        cause = re.sub(r'\[[^]]*\] ?', '', str(e).splitlines()[0])[:200]  # less the source files
+        with contextlib.suppress(Exception):
+            _job_store.set(f'unconnected/{rank}', '1')
+        missing, hosts = silent_ranks('set-up', rank, world_size)
+        ranks = f'rank{"s" * (len(missing) > 1)} {", ".join(map(str, missing)) or "?"} of {world_size}'
+        raise SetupError(
+            f'rank {rank} could not connect to {ranks} ({", ".join(hosts) or "host unknown"}) while the process '
+            f'group was being made ({cause}). Each host must reach the others at the address it listens on: where a '
+            f'host\'s name resolves to a loopback address (127.0.1.1, as Debian and Ubuntu write it) or to none, '
+            f'set GLOO_SOCKET_IFNAME (on GPUs also NCCL_SOCKET_IFNAME) to its interface toward MASTER_ADDR, on '
+            f'every node; a firewall must let the job\'s hosts connect to each other on any port.') from None
+    finally:
+        done.set()
+
+
+def host_of(rank):
+    """The host rank `rank` joined from, as it said on the job's store."""
+    return _job_store.get(f'joined/{rank}').decode().split()[0]
 
 
 def gpu_name(device):
@@ -276,7 +353,7 @@ def silent_ranks(epoch, rank, world_size):
             _job_store.set(f'alive/{epoch}/{rank}', '1')
             time.sleep(2)
             missing = [r for r in range(world_size) if not _job_store.check([f'alive/{epoch}/{r}'])]
-            answer.append((missing, [_job_store.get(f'joined/{r}').decode().split()[0] for r in missing]))
+            answer.append((missing, [host_of(r) for r in missing]))
     time.sleep(1)  # a lost store's host has closed its port by now
     thread = threading.Thread(target=ask, daemon=True)
     thread.start()
@@ -294,14 +371,19 @@ def report_failure(error):
     error file torchrun hands each worker, whose `message` its failure report shows, naming the rank with the
     earliest `timestamp` as the root cause."""
     for signum in (signal.SIGINT, signal.SIGTERM):  # failing already: torchrun's SIGTERM to the others ends them
-        signal.signal(signum, signal.SIG_DFL)
+        with contextlib.suppress(ValueError):  # quietly (not from connecting's thread: it exits at once)
+            signal.signal(signum, signal.SIG_DFL)
     message, path = f'error: {error}', os.environ.get('TORCHELASTIC_ERROR_FILE')
     if not path or restarts_left():
         sys.stderr.write(message + '\n')  # one write: the ranks of a job share the stream
         return
     origin = getattr(error, 'origin', None)
     if origin is not None:  # its paragraph is in the report of rank `origin`'s node; dated a second later
-        message = f'error: stopped because rank {origin} failed during set-up (the root cause: see its node\'s report)'
+        origin_host = ''
+        with contextlib.suppress(Exception):
+            origin_host = f' ({host_of(origin)})'
+        message = (f'error: stopped because rank {origin}{origin_host} failed during set-up (the root cause: see its '
+                   f'node\'s report)')
     with open(path, 'w') as f:
         json.dump({'message': message, 'timestamp': int(time.time()) + (origin is not None)}, f)
     first = int(os.environ['RANK']) - int(os.environ['LOCAL_RANK'])  # the ranks of a node are consecutive

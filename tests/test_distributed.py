@@ -133,7 +133,8 @@ def test_a_node_without_data_stops_every_rank_with_the_reason(mnist_dir, tmp_pat
     rank, message = torchrun_report(outputs[1])['root']
     assert rank == 1 and message.startswith(f'error: MNIST is not in {tmp_path}/empty_disk/MNIST/raw'), outputs[1]
     assert torchrun_report(outputs[0])['root'] == (
-        0, "error: stopped because rank 1 failed during set-up (the root cause: see its node's report)"), outputs[0]
+        0, f"error: stopped because rank 1 ({socket.gethostname()}) failed during set-up (the root cause: see its "
+           f"node's report)"), outputs[0]
     for output in outputs:  # the paragraph once, in the report: no traceback of ours
         assert output.count('MNIST is not in') <= 1 and not re.search(r'File ".*mnist_train_distributed\.py"', output)
     assert not (tmp_path / 'out' / 'checkpoint.pth').exists()
@@ -151,7 +152,8 @@ def test_a_refused_resume_is_the_root_cause_in_torchruns_report(mnist_dir, tmp_p
     assert rank == 0 and message.startswith(f'error: {out}/checkpoint.pth was trained with --lr 0.1 (now 0.05); '
                                             f'resuming would mix'), outputs[0]
     assert torchrun_report(outputs[1])['root'] == (
-        1, "error: stopped because rank 0 failed during set-up (the root cause: see its node's report)"), outputs[1]
+        1, f"error: stopped because rank 0 ({socket.gethostname()}) failed during set-up (the root cause: see its "
+           f"node's report)"), outputs[1]
     assert outputs[0].count('was trained with') == 1, 'the paragraph once'
 
 

@@ -5,6 +5,7 @@ import gzip
 import os
 import re
 import signal
+import socket
 import sys
 import time
 
@@ -317,8 +318,8 @@ def test_a_second_run_into_the_folder_of_a_running_one_stops_and_changes_nothing
         report = torchrun_report(job_output.rest(timeout=120))
         # Rank 0's paragraph as the root cause; rank 1's pointer too where torchrun reports it (newer torch)
         assert job.returncode == 1 and report['root'] == (0, refusal), job_output.lines
-        assert report['others'] in ([], [(1, "error: stopped because rank 0 failed during set-up (the root cause: "
-                                             "see its node's report)")]), job_output.lines
+        assert report['others'] in ([], [(1, f"error: stopped because rank 0 ({socket.gethostname()}) failed during "
+                                             f"set-up (the root cause: see its node's report)")]), job_output.lines
         assert files(out) == before, 'nothing of the running one written over'
     finally:
         proc.send_signal(signal.SIGCONT)

@@ -165,9 +165,8 @@ def choose_gloo_interface(master_addr):
 
 @contextlib.contextmanager
 def connecting(rank, world_size):
-    """Turn a failure to make the process group (a rank gloo or NCCL could not connect to, or waited for) into one
-    paragraph naming that rank and its host. A rank that fails says so in the job's store, and the others, waiting
-    for it inside gloo (five times --collective-timeout), stop at once with its name."""
+    """Turn a failure to make the process group into one paragraph; a rank that fails says so on the job's store,
+    and the others, which gloo would keep waiting for it (five times --collective-timeout), stop at once naming it."""
     done = threading.Event()
 
     def watch():
@@ -175,8 +174,8 @@ def connecting(rank, world_size):
             with contextlib.suppress(Exception):  # the store went with its host: gloo's own wait ends this one
                 failed = [r for r in range(world_size) if r != rank and _job_store.check([f'unconnected/{r}'])]
                 if failed and not done.is_set():
-                    error = SetupError(f'rank {failed[0]} of {world_size} ({host_of(failed[0])}) could not connect to '
-                                       f'the others while the process group was being made: see its paragraph.')
+                    error = SetupError(f'rank {failed[0]} ({host_of(failed[0])}) could not connect: see its paragraph.')
+                    _job_store.add('unconnected/seen', 1)
                     error.origin = failed[0]
                     report_failure(error)
                     os._exit(1)
@@ -185,17 +184,19 @@ def connecting(rank, world_size):
         yield
     except RuntimeError as e:  # DistBackendError and DistStoreError too
         done.set()
-        cause = re.sub(r'\[[^]]*\] ?', '', str(e).splitlines()[0])[:200]  # less the source files
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(Exception):  # the store may end with this rank (or its node's torchrun): wait for
+            # the others to read that it failed
             _job_store.set(f'unconnected/{rank}', '1')
-        missing, hosts = silent_ranks('set-up', rank, world_size)
-        ranks = f'rank{"s" * (len(missing) > 1)} {", ".join(map(str, missing)) or "?"} of {world_size}'
+            deadline = time.monotonic() + 10
+            while _job_store.add('unconnected/seen', 0) < world_size - 1 and time.monotonic() < deadline:
+                time.sleep(0.1)
+        cause = re.sub(r'\[[^]]*\] ?', '', str(e).splitlines()[0])[:200]  # less the source files
         raise SetupError(
-            f'rank {rank} could not connect to {ranks} ({", ".join(hosts) or "host unknown"}) while the process '
-            f'group was being made ({cause}). Each host must reach the others at the address it listens on: where a '
-            f'host\'s name resolves to a loopback address (127.0.1.1, as Debian and Ubuntu write it) or to none, '
-            f'set GLOO_SOCKET_IFNAME (on GPUs also NCCL_SOCKET_IFNAME) to its interface toward MASTER_ADDR, on '
-            f'every node; a firewall must let the job\'s hosts connect to each other on any port.') from None
+            f'rank {rank} ({socket.gethostname()}) could not connect to the other ranks while the process group was '
+            f'being made ({cause}). Each host must reach the others at the address it listens on: where a host\'s '
+            f'name resolves to a loopback address (127.0.1.1, as Debian and Ubuntu write it) or to none, set '
+            f'GLOO_SOCKET_IFNAME (on GPUs also NCCL_SOCKET_IFNAME) to its interface toward MASTER_ADDR, on every '
+            f'node; a firewall must let the hosts connect on any port.') from None
     finally:
         done.set()
 

@@ -3,9 +3,10 @@
 What it guarantees:
 - No wait outlasts the timeout it printed: joining (--join-timeout), a training step (--collective-timeout),
   the set-up (SETUP_TIMEOUT: rank 0's download, a checkpoint read on a slow mount).
-- A rank that never joined, failed during set-up, or was lost or hung during training is named, with its
-  host where known, in one paragraph (common.SetupError) on every surviving rank; torchrun's report shows
-  it, the rank where the failure began as the root cause.
+- A rank that never joined, could not connect, failed during set-up, or was lost or hung during training is
+  named, with its host where known, in one paragraph (common.SetupError) on every surviving rank, which then
+  stops; torchrun's report shows it, the rank where the failure began as the root cause.
+- Gloo connects between hosts whose names resolve to a loopback address or to none (choose_gloo_interface).
 - A restarted attempt never meets a dead attempt's addresses, and waits for a peer that hung before only
   as long as a step would (--collective-timeout).
 
@@ -32,7 +33,8 @@ from common import SetupError, check_device
 SETUP_TIMEOUT = timedelta(minutes=30)  # a set-up wait (rank 0's download) is for work, not for a peer
 _job_store = None  # the job's key-value store, once joined: a survivor asks it who is gone
 _agent_store = None  # torchrun's own store, where it has one: it outlives this attempt's processes
-_setup_group = None  # the set-up's waits, on gloo with SETUP_TIMEOUT (on_ranks)
+_setup_group = None  # the set-up's waits, on gloo with SETUP_TIMEOUT (on_ranks), made with the process group
+_setup_step = 0  # on_ranks' calls, the same on every rank
 
 
 def check_environment():
@@ -82,7 +84,6 @@ def join(rank, world_size, device, args):
     host, port, timeout = os.environ['MASTER_ADDR'], int(os.environ['MASTER_PORT']), args.join_timeout
     address, deadline = f'{host}:{port}', time.monotonic() + timeout
     print(f'Joining the job at {address} as rank {rank} of {world_size} (waiting up to {timeout:.0f}s for all ranks)')
-    choose_gloo_interface(host)
     # torchrun's agent hosts the store where it says so; otherwise rank 0 does, at MASTER_ADDR:MASTER_PORT.
     in_agent = os.environ.get('TORCHELASTIC_USE_AGENT_STORE') == 'True'
     while in_agent or rank != 0:
@@ -95,6 +96,7 @@ def join(rank, world_size, device, args):
                                  f'({e.strerror or e}). Check that MASTER_ADDR and MASTER_PORT name rank 0\'s '
                                  f'node and that its job started; --join-timeout sets the wait.') from None
             time.sleep(0.2)
+    choose_gloo_interface(host)  # MASTER_ADDR resolves by now
     store = dist.TCPStore(host, port, world_size, is_master=not in_agent and rank == 0, wait_for_workers=False,
                           timeout=timedelta(seconds=max(1.0, deadline - time.monotonic())))
     hang = None
@@ -165,28 +167,44 @@ def choose_gloo_interface(master_addr):
 
 @contextlib.contextmanager
 def connecting(rank, world_size):
-    """Turn a failure to make the process group into one paragraph; a rank that fails says so on the job's store,
-    and the others, which gloo would keep waiting for it (five times --collective-timeout), stop at once naming it."""
+    """Make the set-up's gloo group once the process group is made, and turn a failure to connect into one
+    paragraph. A rank that fails says so on the job's store, and the others, which gloo would keep waiting for it
+    (five times --collective-timeout), stop at once naming it. (NCCL connects later, at DDP's first collective.)"""
+    global _setup_group
     done = threading.Event()
+
+    def failed_elsewhere():  # the error of a rank whose peer failed to connect first, or None
+        if not _job_store.check(['unconnected']):
+            return None
+        failed = int(_job_store.get('unconnected'))
+        error = SetupError(f'rank {failed} ({host_of(failed)}) could not connect: see its paragraph.')
+        error.origin = failed
+        return error
 
     def watch():
         while not done.wait(0.5):
             with contextlib.suppress(Exception):  # the store went with its host: gloo's own wait ends this one
-                failed = [r for r in range(world_size) if r != rank and _job_store.check([f'unconnected/{r}'])]
-                if failed and not done.is_set():
-                    error = SetupError(f'rank {failed[0]} ({host_of(failed[0])}) could not connect: see its paragraph.')
+                error = failed_elsewhere()
+                if error and not done.is_set():
                     _job_store.add('unconnected/seen', 1)
-                    error.origin = failed[0]
                     report_failure(error)
                     os._exit(1)
-    threading.Thread(target=watch, daemon=True).start()
+    if _job_store is not None:
+        threading.Thread(target=watch, daemon=True).start()
     try:
         yield
+        if _job_store is not None:
+            _setup_group = dist.new_group(backend='gloo', timeout=SETUP_TIMEOUT)
     except RuntimeError as e:  # DistBackendError and DistStoreError too
         done.set()
+        error = None
+        with contextlib.suppress(Exception):
+            error = failed_elsewhere()
+        if error:  # another rank failed first: its failure is the cause
+            raise error from None
         with contextlib.suppress(Exception):  # the store may end with this rank (or its node's torchrun): wait for
             # the others to read that it failed
-            _job_store.set(f'unconnected/{rank}', '1')
+            _job_store.set('unconnected', str(rank))
             deadline = time.monotonic() + 10
             while _job_store.add('unconnected/seen', 0) < world_size - 1 and time.monotonic() < deadline:
                 time.sleep(0.1)
@@ -269,9 +287,7 @@ def on_ranks(selected, fn, *args):
     """fn(*args) on the selected ranks while the others wait; rank 0's result for all, or every rank raises.
     The wait goes through a gloo group of its own with SETUP_TIMEOUT: a download slower than
     --collective-timeout, or than NCCL's watchdog, is no lost peer."""
-    global _setup_group
-    if _job_store is not None and _setup_group is None:  # made by every rank, before any of them is busy
-        _setup_group = dist.new_group(backend='gloo', timeout=SETUP_TIMEOUT)
+    global _setup_step
     result, error = None, None
     if selected:
         try:
@@ -282,18 +298,18 @@ def on_ranks(selected, fn, *args):
         if error is not None:
             raise error
         return result
+    rank, world_size, _setup_step = dist.get_rank(), dist.get_world_size(), _setup_step + 1
+    _job_store.set(f'setup/{_setup_step}/{rank}', '')  # arrived: a rank that did not is named below
+    replies = [None] * world_size
     try:
-        dist.monitored_barrier(_setup_group, timeout=SETUP_TIMEOUT, wait_all_ranks=True)
-    except RuntimeError as e:  # rank 0 names the late ranks; another knows whether rank 0 answered, or was late itself
-        late = re.search(r'Ranks? ([\d, ]+) failed to pass', str(e))
-        late = late[1] if late else None if 'from rank 0' in str(e) else str(dist.get_rank())
-        world = dist.get_world_size()
-        who = f'rank{"s" * (", " in late)} {late} of {world}' if late else "a rank (rank 0's log names it)"
-        raise SetupError(f'{who} did not finish setting up (reading the checkpoint, or the MNIST download) within '
+        dist.all_gather_object(replies, (result if rank == 0 else None, error and str(error)), group=_setup_group)
+    except RuntimeError:
+        late = [0]  # where the store went with rank 0's process
+        with contextlib.suppress(Exception):
+            late = [r for r in range(world_size) if not _job_store.check([f'setup/{_setup_step}/{r}'])] or [rank]
+        raise SetupError(f'rank{"s" * (len(late) > 1)} {", ".join(map(str, late))} of {world_size} did not finish '
+                         f'setting up (reading the checkpoint, or the MNIST download) within '
                          f'{SETUP_TIMEOUT.total_seconds():.0f}s: look at its node\'s log.') from None
-    replies = [None] * dist.get_world_size()
-    mine = (result if dist.get_rank() == 0 else None, None if error is None else str(error))
-    dist.all_gather_object(replies, mine, group=_setup_group)
     if any(message for _, message in replies):
         with contextlib.suppress(RuntimeError):  # every rank has read the replies before any of them ends
             dist.barrier(_setup_group)
@@ -372,7 +388,7 @@ def report_failure(error):
     error file torchrun hands each worker, whose `message` its failure report shows, naming the rank with the
     earliest `timestamp` as the root cause."""
     for signum in (signal.SIGINT, signal.SIGTERM):  # failing already: torchrun's SIGTERM to the others ends them
-        with contextlib.suppress(ValueError):  # quietly (not from connecting's thread: it exits at once)
+        with contextlib.suppress(ValueError):  # quietly (not settable from connecting's thread, which then exits)
             signal.signal(signum, signal.SIG_DFL)
     message, path = f'error: {error}', os.environ.get('TORCHELASTIC_ERROR_FILE')
     if not path or restarts_left():
@@ -385,8 +401,9 @@ def report_failure(error):
             origin_host = f' ({host_of(origin)})'
         message = (f'error: stopped because rank {origin}{origin_host} failed during set-up (the root cause: see its '
                    f'node\'s report)')
-    with open(path, 'w') as f:
-        json.dump({'message': message, 'timestamp': int(time.time()) + (origin is not None)}, f)
+    with open(path, 'w') as f:  # as torch's @record writes it (a plain message makes torchrun warn twice)
+        json.dump({'message': {'message': message, 'extraInfo': {
+            'py_callstack': message, 'timestamp': str(int(time.time()) + (origin is not None))}}}, f)
     first = int(os.environ['RANK']) - int(os.environ['LOCAL_RANK'])  # the ranks of a node are consecutive
     if origin in range(first, first + int(os.environ.get('LOCAL_WORLD_SIZE', 1))):  # rank `origin` is on this node
         # torchrun reports only the processes it has seen fail, then stops the others (newer ones than torch 2.3's

@@ -70,7 +70,7 @@ def parse_args():
                         help='seconds to wait for every process of the job to start and connect (default: 1800)')
     parser.add_argument('--collective-timeout', type=common.positive(float, most=common.MAX_SECONDS), default=300,
                         help='seconds a step may wait for the other processes (an epoch takes seconds) before the '
-                             'job stops, naming the one that stopped answering (default: 300)')
+                             'job stops, on gloo naming the one that stopped answering (default: 300)')
     parser.add_argument('--no-resume', action='store_true',
                         help='ignore <output-dir>/checkpoint.pth and start from epoch 0 (default: resume)')
     parser.add_argument('--debug', action='store_true', help='show tracebacks for set-up errors (default: off)')

@@ -300,13 +300,15 @@ def on_ranks(selected, fn, *args):
         return result
     rank, world_size, _setup_step = dist.get_rank(), dist.get_world_size(), _setup_step + 1
     _job_store.set(f'setup/{_setup_step}/{rank}', '')  # arrived: a rank that did not is named below
-    replies = [None] * world_size
+    replies, waiting = [None] * world_size, time.monotonic()
     try:
         dist.all_gather_object(replies, (result if rank == 0 else None, error and str(error)), group=_setup_group)
     except RuntimeError:
-        late = [0]  # where the store went with rank 0's process
-        with contextlib.suppress(Exception):
-            late = [r for r in range(world_size) if not _job_store.check([f'setup/{_setup_step}/{r}'])] or [rank]
+        late = [rank]  # given up at once: the others had stopped waiting for this rank
+        if time.monotonic() - waiting > SETUP_TIMEOUT.total_seconds() / 2:
+            late = [0]  # where the store went with rank 0's process
+            with contextlib.suppress(Exception):
+                late = [r for r in range(world_size) if not _job_store.check([f'setup/{_setup_step}/{r}'])] or late
         raise SetupError(f'rank{"s" * (len(late) > 1)} {", ".join(map(str, late))} of {world_size} did not finish '
                          f'setting up (reading the checkpoint, or the MNIST download) within '
                          f'{SETUP_TIMEOUT.total_seconds():.0f}s: look at its node\'s log.') from None

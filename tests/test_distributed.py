@@ -353,3 +353,31 @@ def test_one_gpu_is_told_by_its_uuid_or_where_torch_has_none_by_its_place_among_
     monkeypatch.delenv('CUDA_VISIBLE_DEVICES')
     assert peers.gpu_name(torch.device('cuda', 0)) == 'cuda:0 of CUDA_VISIBLE_DEVICES=all'
     assert peers.gpu_name(torch.device('cpu')) == 'cpu'
+
+
+def test_a_rank_late_in_the_set_up_is_named_on_every_rank(tmp_path):
+    # peers.on_ranks with a set-up timeout of 3 s (30 minutes in the script), rank 1 busy for 8 s: the others name
+    # it once the timeout is up, and rank 1 itself once it is done, each in one paragraph.
+    driver = tmp_path / 'late_rank.py'
+    driver.write_text(f'''import os, sys, time
+from datetime import timedelta
+sys.path.insert(0, {str(ROOT)!r})
+import torch, torch.distributed as dist
+import common, peers
+peers.SETUP_TIMEOUT = timedelta(seconds=3)
+class Flags: join_timeout, collective_timeout = 60, 60
+peers.check_environment()
+rank, world_size = int(os.environ['RANK']), int(os.environ['WORLD_SIZE'])
+store = peers.join(rank, world_size, torch.device('cpu'), Flags)
+with peers.connecting(rank, world_size):
+    dist.init_process_group('gloo', store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
+try:
+    peers.on_ranks(rank == 1, time.sleep, 8)
+except common.SetupError as e:
+    print(f'rank {{rank}}: {{e}}', flush=True)
+''')
+    _, stdout, _ = run(torchrun('--standalone', '--nproc_per_node=3', driver), check=False)
+    said = dict(re.findall(r'^rank (\d): (.*)$', stdout, re.M))
+    message = ('rank 1 of 3 did not finish setting up (reading the checkpoint, or the MNIST download) within 3s: '
+               "look at its node's log.")
+    assert said.get('0') == message and said.get('1') == message, stdout

@@ -176,6 +176,30 @@ def dist_cmd(*args):
     return [sys.executable, ROOT / 'mnist_train_distributed.py', *args]
 
 
+def run_main(module_name, *args):
+    """A training script's main() in this process, as `python SCRIPT ARGS` runs it less the process's start-up
+    (torch is imported already) and its end (signals, exit codes): its stdout. For what a run computes and
+    writes; a test of how the process starts, stops or fails runs it as a process."""
+    import importlib
+    import io
+    from unittest import mock
+    import torch.distributed as dist
+    module = importlib.import_module(module_name)
+    output = io.StringIO()
+    with mock.patch.dict(os.environ), mock.patch.object(sys, 'argv', [module_name, *map(str, args)]), \
+            contextlib.redirect_stdout(output):
+        os.environ.update(CUDA_VISIBLE_DEVICES='')
+        threads = module.torch.get_num_threads()
+        module.torch.set_num_threads(1)  # as script_env's OMP_NUM_THREADS=1: the same arithmetic as a process's
+        try:
+            module.main(module.parse_args())
+        finally:
+            module.torch.set_num_threads(threads)
+            if dist.is_initialized():
+                dist.destroy_process_group()
+    return output.getvalue()
+
+
 def in_tmp(tmp_path):
     """--data-dir and --output-dir in tmp_path, for a run meant to stop at a check: one that let it through would
     otherwise read and write DLC's /mnt/data (as root, even where it is no mount)."""

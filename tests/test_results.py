@@ -99,29 +99,30 @@ def saved_epochs(stdout):
     return saved
 
 
-@pytest.mark.parametrize('script', [train_cmd, dist_cmd], ids=['single', 'distributed'])
+@pytest.mark.parametrize('script', ['mnist_train', 'mnist_train_distributed'], ids=['single', 'distributed'])
 def test_best_model_pth_is_written_only_by_epochs_that_beat_every_earlier_one(script, tmp_path):
-    from conftest import make_mnist
+    from conftest import make_mnist, run_main
     data = make_mnist(tmp_path / 'data', 640, 200, seed=3)
     args = ('--data-dir', data, '--lr', '0.01', '--batch-size', '64', '--log-interval', '100')
+    # In this process: which epochs write best_model.pth is the run's arithmetic, not its process's.
     # A reference run of 3 epochs: its accuracies rise (a slow learning rate on hard data).
-    _, stdout, _ = run(script(*args, '--output-dir', tmp_path / 'reference', '--epochs', '3'))
+    stdout = run_main(script, *args, '--output-dir', tmp_path / 'reference', '--epochs', '3')
     first, second, third = accuracies(stdout)
     assert saved_epochs(stdout) == improving([first, second, third])
     assert first < second < third, 'the data must make the accuracy climb for the rest of this test'
     # The same run, stopped after epoch 0, then resumed with a recorded best between epochs 1 and 2:
     # epoch 1 falls short of it and must not write best_model.pth; epoch 2 beats it and must.
     out = tmp_path / 'out'
-    run(script(*args, '--output-dir', out, '--epochs', '1'))
+    run_main(script, *args, '--output-dir', out, '--epochs', '1')
     checkpoint = torch.load(out / 'checkpoint.pth', weights_only=True)
     recorded = (second + third) / 2 / 2  # percent: 200 images
     checkpoint['best_val_accuracy'] = recorded
     torch.save(checkpoint, out / 'checkpoint.pth')
     before = (out / 'best_model.pth').read_bytes()
-    _, stdout, _ = run(script(*args, '--output-dir', out, '--epochs', '2'))  # epoch 1: no better than recorded
+    stdout = run_main(script, *args, '--output-dir', out, '--epochs', '2')  # epoch 1: no better than recorded
     assert accuracies(stdout) == [second] and saved_epochs(stdout) == []
     assert (out / 'best_model.pth').read_bytes() == before, 'a worse epoch leaves best_model.pth alone'
-    _, stdout, _ = run(script(*args, '--output-dir', out, '--epochs', '3'))  # epoch 2: better
+    stdout = run_main(script, *args, '--output-dir', out, '--epochs', '3')  # epoch 2: better
     assert accuracies(stdout) == [third] and saved_epochs(stdout) == [0]
     assert f'Best accuracy {third / 2:.2f}% at epoch 2' in stdout
     best = torch.load(out / 'best_model.pth', weights_only=True)

@@ -9,7 +9,7 @@ import torch
 from torchvision import datasets, transforms
 
 import common
-from conftest import ROOT, read_review, read_scalars, run, script_env, start, train_cmd
+from conftest import ROOT, read_review, read_scalars, run, run_main, script_env, start, train_cmd
 
 FAST = ('--lr', '0.1', '--batch-size', '16', '--log-interval', '10')  # learns the tiny set in 3 epochs
 
@@ -53,10 +53,10 @@ def test_trains_logs_and_saves_like_the_document(mnist_dir, tmp_path):
 
 
 def test_a_finished_run_says_so_and_changes_nothing(mnist_dir, tmp_path):
-    out = tmp_path / 'out'
-    run(train_cmd('--data-dir', mnist_dir, '--output-dir', out, '--epochs', '2', *FAST))
+    out = tmp_path / 'out'  # in this process: the runs' outputs are the point, not their processes
+    run_main('mnist_train', '--data-dir', mnist_dir, '--output-dir', out, '--epochs', '2', *FAST)
     before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
-    _, stdout, _ = run(train_cmd('--data-dir', mnist_dir, '--output-dir', out, '--epochs', '2', *FAST))
+    stdout = run_main('mnist_train', '--data-dir', mnist_dir, '--output-dir', out, '--epochs', '2', *FAST)
     assert stdout.startswith('Training already complete')
     assert 'Train Epoch' not in stdout
     assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
@@ -64,7 +64,7 @@ def test_a_finished_run_says_so_and_changes_nothing(mnist_dir, tmp_path):
 
 def test_resume_after_a_kill_mid_epoch_matches_an_uninterrupted_run(mnist_big_dir, tmp_path):
     args = ('--data-dir', mnist_big_dir, '--epochs', '3', '--log-interval', '20')
-    run(train_cmd(*args, '--output-dir', tmp_path / 'straight'))
+    run_main('mnist_train', *args, '--output-dir', tmp_path / 'straight')  # the reference, in this process
 
     out = tmp_path / 'interrupted'
     proc, reader = start(train_cmd(*args, '--output-dir', out))
@@ -90,10 +90,11 @@ def test_resume_after_a_kill_mid_epoch_matches_an_uninterrupted_run(mnist_big_di
 
 
 def test_no_resume_starts_over_and_keeps_the_earlier_best_model(mnist_dir, tmp_path):
-    out = tmp_path / 'out'
-    run(train_cmd('--data-dir', mnist_dir, '--output-dir', out, '--epochs', '1', *FAST))
+    out = tmp_path / 'out'  # in this process: the runs' outputs are the point, not their processes
+    run_main('mnist_train', '--data-dir', mnist_dir, '--output-dir', out, '--epochs', '1', *FAST)
     earlier = (out / 'best_model.pth').read_bytes()
-    _, stdout, _ = run(train_cmd('--data-dir', mnist_dir, '--output-dir', out, '--epochs', '1', '--no-resume', *FAST))
+    stdout = run_main('mnist_train', '--data-dir', mnist_dir, '--output-dir', out, '--epochs', '1', '--no-resume',
+                      *FAST)
     assert 'Resuming' not in stdout and 'Epoch 0 done' in stdout
     assert f'the earlier run is kept as best_model.pth.previous and checkpoint.pth.previous in {out}' in stdout
     assert (out / 'best_model.pth.previous').read_bytes() == earlier
@@ -115,10 +116,10 @@ def check_review(out, best_correct, total, step):
 
 
 def test_training_on_adds_a_review_at_the_new_step_and_a_finished_run_none(mnist_dir, tmp_path):
-    out = tmp_path / 'out'
-    run(train_cmd('--data-dir', mnist_dir, '--output-dir', out, '--epochs', '1', *FAST))
-    run(train_cmd('--data-dir', mnist_dir, '--output-dir', out, '--epochs', '1', *FAST))  # already complete
-    _, stdout, _ = run(train_cmd('--data-dir', mnist_dir, '--output-dir', out, '--epochs', '2', *FAST))
+    out = tmp_path / 'out'  # in this process: the runs' outputs are the point, not their processes
+    run_main('mnist_train', '--data-dir', mnist_dir, '--output-dir', out, '--epochs', '1', *FAST)
+    run_main('mnist_train', '--data-dir', mnist_dir, '--output-dir', out, '--epochs', '1', *FAST)  # complete
+    stdout = run_main('mnist_train', '--data-dir', mnist_dir, '--output-dir', out, '--epochs', '2', *FAST)
     review = read_review(out / 'runs' / 'mnist_experiment')
     assert all(steps == [1, 2] for steps in review['images'].values()), review['images']  # nothing twice
 

@@ -317,7 +317,7 @@ CHECKPOINT_KEYS = {'model', 'optimizer', 'epochs_done', 'best_val_accuracy', 'be
 TRAINING_FLAGS = {'lr': '--lr', 'batch_size': '--batch-size', 'seed': '--seed'}  # they change the result
 _writing = set()  # the temporary files and folders being written now (saves, downloads): a stop removes them
 _epochs_saved = None  # epochs in this run's checkpoint, once resume() has set the run up (a stop's line says it)
-_claimed = set()  # output folders this process holds locked (see claim)
+_claimed = {}  # output folders this process holds locked (see claim), and their descriptors
 
 
 def save_atomic(obj, path):
@@ -366,7 +366,7 @@ def claim(folder):
     except OSError:  # no locks on this filesystem
         os.close(descriptor)
         return
-    _claimed.add(key)  # its descriptor is never closed: the lock lasts as long as the process
+    _claimed[key] = descriptor  # never closed: the lock lasts as long as the process
 
 
 def load_checkpoint(args):

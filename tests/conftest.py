@@ -189,12 +189,14 @@ def run_main(module_name, *args):
     with mock.patch.dict(os.environ), mock.patch.object(sys, 'argv', [module_name, *map(str, args)]), \
             contextlib.redirect_stdout(output):
         os.environ.update(CUDA_VISIBLE_DEVICES='')
-        threads = module.torch.get_num_threads()
+        threads, claimed = module.torch.get_num_threads(), set(module.common._claimed)
         module.torch.set_num_threads(1)  # as script_env's OMP_NUM_THREADS=1: the same arithmetic as a process's
         try:
             module.main(module.parse_args())
         finally:
             module.torch.set_num_threads(threads)
+            for folder in set(module.common._claimed) - claimed:  # the output folder's lock, as the process's end
+                os.close(module.common._claimed.pop(folder))
             if dist.is_initialized():
                 dist.destroy_process_group()
     return output.getvalue()

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import common
-from conftest import (ROOT, SIGHUP, Mirror, dist_cmd, free_port, gz_files, in_tmp, make_mnist, run, script_env,
-                      skip_without_sighup, start, torchrun, torchrun_report, train_cmd)
+from conftest import (ROOT, SIGHUP, Mirror, dist_cmd, free_port, gz_files, in_tmp, make_mnist, run, run_main,
+                      script_env, skip_without_sighup, start, torchrun, torchrun_report, train_cmd)
 
 FAST = ('--lr', '0.1', '--batch-size', '16', '--log-interval', '10')
 OFFLINE = dict(http_proxy='http://127.0.0.1:9', https_proxy='http://127.0.0.1:9', no_proxy='')
@@ -39,8 +39,8 @@ def one_paragraph_error(result, code=1):
 
 @SCRIPTS
 def test_a_changed_learning_rate_or_batch_size_stops_before_any_work(script, mnist_dir, tmp_path):
-    out = tmp_path / 'out'
-    run(script('--data-dir', mnist_dir, '--output-dir', out, '--epochs', '1', *FAST))
+    out, module = tmp_path / 'out', script()[1].stem  # the runs that succeed, in this process; the refusal a process's
+    run_main(module, '--data-dir', mnist_dir, '--output-dir', out, '--epochs', '1', *FAST)
     before = files(out)
     # The document's advice: look at the curves, then train again with more epochs and another lr.
     message = one_paragraph_error(run(script('--data-dir', mnist_dir, '--output-dir', out, '--epochs', '3',
@@ -51,20 +51,20 @@ def test_a_changed_learning_rate_or_batch_size_stops_before_any_work(script, mni
     assert files(out) == before
 
     # The two ways on: the recorded values resume (flags that do not change the result may differ) ...
-    _, stdout, _ = run(script('--data-dir', mnist_dir, '--output-dir', out, '--epochs', '2', *FAST,
-                              '--log-interval', '7', '--val-batch-size', '50'))
+    stdout = run_main(module, '--data-dir', mnist_dir, '--output-dir', out, '--epochs', '2', *FAST,
+                      '--log-interval', '7', '--val-batch-size', '50')
     assert 'Resuming from epoch 1 ' in stdout and 'Epoch 1 done' in stdout
     # ... and --no-resume starts a new run with the new values.
-    _, stdout, _ = run(script('--data-dir', mnist_dir, '--output-dir', out, '--epochs', '1', '--lr', '0.05',
-                              '--no-resume', '--log-interval', '10'))
+    stdout = run_main(module, '--data-dir', mnist_dir, '--output-dir', out, '--epochs', '1', '--lr', '0.05',
+                      '--no-resume', '--log-interval', '10')
     assert 'Resuming' not in stdout and 'Epoch 0 done' in stdout
     assert torch.load(out / 'checkpoint.pth', weights_only=True)['hyperparameters'] == \
         {'lr': 0.05, 'batch_size': 64, 'seed': 0}
 
 
 def test_a_changed_seed_stops_and_a_checkpoint_from_before_the_record_still_resumes(mnist_dir, tmp_path):
-    out = tmp_path / 'out'
-    run(train_cmd('--data-dir', mnist_dir, '--output-dir', out, '--epochs', '1', *FAST))
+    out = tmp_path / 'out'  # the runs that succeed, in this process; the refusals a process's
+    run_main('mnist_train', '--data-dir', mnist_dir, '--output-dir', out, '--epochs', '1', *FAST)
     message = one_paragraph_error(run(train_cmd('--data-dir', mnist_dir, '--output-dir', out, '--epochs', '2',
                                                 '--seed', '1', *FAST), check=False))
     assert 'was trained with --seed 0 (now 1)' in message
@@ -76,7 +76,7 @@ def test_a_changed_seed_stops_and_a_checkpoint_from_before_the_record_still_resu
     message = one_paragraph_error(run(train_cmd('--data-dir', mnist_dir, '--output-dir', out, '--epochs', '2',
                                                 *FAST, '--lr', '0.05'), check=False))
     assert 'was trained with --lr 0.1 (now 0.05)' in message
-    _, stdout, _ = run(train_cmd('--data-dir', mnist_dir, '--output-dir', out, '--epochs', '2', *FAST))
+    stdout = run_main('mnist_train', '--data-dir', mnist_dir, '--output-dir', out, '--epochs', '2', *FAST)
     assert stdout.startswith('Resuming from epoch 1 ') and 'Epoch 1 done' in stdout
 
 
@@ -84,7 +84,7 @@ def test_a_changed_seed_stops_and_a_checkpoint_from_before_the_record_still_resu
 
 def test_divergence_stops_at_once_and_keeps_the_last_good_epoch(mnist_dir, tmp_path):
     out = tmp_path / 'out'
-    run(train_cmd('--data-dir', mnist_dir, '--output-dir', out, '--epochs', '1', *FAST))
+    run_main('mnist_train', '--data-dir', mnist_dir, '--output-dir', out, '--epochs', '1', *FAST)  # the good epoch
     # A run whose first epoch went well at a learning rate that diverges in its second: edited into
     # the checkpoint, since no learning rate does both reliably on the tiny data.
     checkpoint = torch.load(out / 'checkpoint.pth', weights_only=True)
@@ -140,7 +140,7 @@ def test_an_interrupt_ends_with_one_line_and_the_rerun_resumes(signum, code, nam
 @pytest.mark.parametrize('flags', [(), ('--lr', '0.05')], ids=['same flags', 'changed lr'])
 def test_a_no_resume_run_stopped_in_its_first_epoch_gives_advice_that_works(flags, mnist_dir, mnist_big_dir, tmp_path):
     out = tmp_path / 'out'
-    run(train_cmd('--data-dir', mnist_dir, '--output-dir', out, '--epochs', '1', *FAST))  # an earlier run, finished
+    run_main('mnist_train', '--data-dir', mnist_dir, '--output-dir', out, '--epochs', '1', *FAST)  # an earlier run
     earlier = files(out)
     args = ('--data-dir', mnist_big_dir, '--output-dir', out, '--epochs', '1', '--log-interval', '20', *flags)
     proc, reader = start(train_cmd(*args, '--no-resume'))

@@ -116,10 +116,10 @@ def check_review(out, best_correct, total, step):
 
 
 def test_training_on_adds_a_review_at_the_new_step_and_a_finished_run_none(mnist_dir, tmp_path):
-    out = tmp_path / 'out'  # in this process: the runs' outputs are the point, not their processes
-    run_main('mnist_train', '--data-dir', mnist_dir, '--output-dir', out, '--epochs', '1', *FAST)
-    run_main('mnist_train', '--data-dir', mnist_dir, '--output-dir', out, '--epochs', '1', *FAST)  # complete
-    stdout = run_main('mnist_train', '--data-dir', mnist_dir, '--output-dir', out, '--epochs', '2', *FAST)
+    out = tmp_path / 'out'  # processes: in one process the runs' event files' names may sort out of their order
+    run(train_cmd('--data-dir', mnist_dir, '--output-dir', out, '--epochs', '1', *FAST))
+    run(train_cmd('--data-dir', mnist_dir, '--output-dir', out, '--epochs', '1', *FAST))  # already complete
+    _, stdout, _ = run(train_cmd('--data-dir', mnist_dir, '--output-dir', out, '--epochs', '2', *FAST))
     review = read_review(out / 'runs' / 'mnist_experiment')
     assert all(steps == [1, 2] for steps in review['images'].values()), review['images']  # nothing twice
 

@@ -356,15 +356,16 @@ def test_one_gpu_is_told_by_its_uuid_or_where_torch_has_none_by_its_place_among_
 
 
 def test_a_rank_late_in_the_set_up_is_named_on_every_rank(tmp_path):
-    # peers.on_ranks with a set-up timeout of 3 s (30 minutes in the script), rank 1 busy for 8 s: the others name
-    # it once the timeout is up, and rank 1 itself once it is done, each in one paragraph.
+    # peers.on_ranks with a set-up timeout of 6 s (30 minutes in the script), rank 1 busy for 12 s: the others name
+    # it once the timeout is up, and rank 1 itself once it is done, each in one paragraph (its gather fails within
+    # half the timeout: 3 s, time enough on a loaded machine).
     driver = tmp_path / 'late_rank.py'
     driver.write_text(f'''import os, sys, time
 from datetime import timedelta
 sys.path.insert(0, {str(ROOT)!r})
 import torch, torch.distributed as dist
 import common, peers
-peers.SETUP_TIMEOUT = timedelta(seconds=3)
+peers.SETUP_TIMEOUT = timedelta(seconds=6)
 class Flags: join_timeout, collective_timeout = 60, 60
 peers.check_environment()
 rank, world_size = int(os.environ['RANK']), int(os.environ['WORLD_SIZE'])
@@ -372,12 +373,13 @@ store = peers.join(rank, world_size, torch.device('cpu'), Flags)
 with peers.connecting(rank, world_size):
     dist.init_process_group('gloo', store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
 try:
-    peers.on_ranks(rank == 1, time.sleep, 8)
+    peers.on_ranks(rank == 1, time.sleep, 12)
 except common.SetupError as e:
-    print(f'rank {{rank}}: {{e}}', flush=True)
+    sys.stdout.write(f'rank {{rank}}: {{e}}\\n')  # one write: the ranks share the stream
+    sys.stdout.flush()
 ''')
     _, stdout, _ = run(torchrun('--standalone', '--nproc_per_node=3', driver), check=False)
     said = dict(re.findall(r'^rank (\d): (.*)$', stdout, re.M))
-    message = ('rank 1 of 3 did not finish setting up (reading the checkpoint, or the MNIST download) within 3s: '
+    message = ('rank 1 of 3 did not finish setting up (reading the checkpoint, or the MNIST download) within 6s: '
                "look at its node's log.")
     assert said.get('0') == message and said.get('1') == message, stdout

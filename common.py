@@ -1,8 +1,6 @@
-"""What mnist_train.py and mnist_train_distributed.py share, in three parts after the set-up helpers (flags,
-device, CPU threads): the model, the data, and the checkpoints that let a stopped or restarted job pick up its work.
-
-Everything else, the training loop included, stays in each script, so that each reads beside the
-document's own.
+"""What mnist_train.py and mnist_train_distributed.py share, after the set-up helpers (flags, device, CPU threads):
+the model, the data, and the checkpoints that let a stopped or restarted job pick up its work. The training loops
+stay in each script, so that each reads beside the document's own.
 """
 import argparse
 import contextlib
@@ -20,6 +18,7 @@ from urllib.error import URLError
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.data.distributed import DistributedSampler
 
 try:
     import fcntl  # the output folder's lock: not on Windows
@@ -40,14 +39,12 @@ MAX_SECONDS = 10 ** 9
 def positive(kind, most=None):
     """argparse type: a number of the given kind that is greater than zero, and at most `most` if given."""
     def parse(text):
-        try:
+        with contextlib.suppress(ValueError):
             value = kind(text)
-        except ValueError:
-            value = None
-        if value is None or not value > 0 or (most is not None and not value <= most):
-            bound = f' of at most {most:,}' if most is not None else ''
-            raise argparse.ArgumentTypeError(f'must be a positive {kind.__name__}{bound}, got {text!r}')
-        return value
+            if value > 0 and (most is None or value <= most):  # nan is neither
+                return value
+        bound = f' of at most {most:,}' if most is not None else ''
+        raise argparse.ArgumentTypeError(f'must be a positive {kind.__name__}{bound}, got {text!r}')
     return parse
 
 
@@ -181,12 +178,9 @@ def check_idx_file(path, name=None):
 
 
 def prepare_mnist(data_dir, download=True):
-    """What datasets.MNIST(download=True) does, made safe: the four files in <data_dir>/MNIST/raw, checked.
-
-    A file missing beside its .gz (as downloaded by hand) is extracted from it; the rest are
-    downloaded. Every file is written beside its place and moved there whole, so a reader never sees
-    half a file and a killed run leaves no partial one.
-    """
+    """What datasets.MNIST(download=True) does, made safe: the four files in <data_dir>/MNIST/raw, checked. A missing
+    file is extracted from its .gz beside it (as downloaded by hand), else downloaded; each is written beside its
+    place and moved there whole: no reader sees half a file, and a killed run leaves no partial one."""
     raw_folder = os.path.join(data_dir, 'MNIST', 'raw')
     missing = [name for name in MNIST_FILES if not os.path.isfile(os.path.join(raw_folder, name))]
     failure = _extract_archives(raw_folder, missing)
@@ -228,11 +222,9 @@ def _extract_archives(raw_folder, missing):
 
 
 def _download(data_dir, raw_folder, missing):
-    """Download the missing files; remove each one fetched from missing. Returns the last error.
-
-    Mirrors tried in turn: $MNIST_MIRROR (a URL prefix, for nodes that reach only an internal
-    mirror or OSS; its files are checked for format, not checksum), then torchvision's.
-    """
+    """Download the missing files, removing each one fetched from missing; return the last error. Mirrors tried in
+    turn: $MNIST_MIRROR (a URL prefix, for nodes that reach only an internal mirror or OSS; its files are checked
+    for format, not checksum), then torchvision's."""
     try:
         os.makedirs(raw_folder, exist_ok=True)
         staging = tempfile.mkdtemp(prefix='.download-', dir=raw_folder)
@@ -271,18 +263,15 @@ def _download(data_dir, raw_folder, missing):
 
 
 class TensorLoader:
-    """DataLoader's place for a dataset held whole in memory, on the training device.
-
-    The dataset's transform runs once, over every image at the same time, instead of once per
-    sample and epoch; the batches are then gathered by index on the device: no per-sample Python
-    work and no host-to-device copy in the training loop. Takes DataLoader's batch_size, shuffle and
-    sampler. shuffle=True draws each epoch's order from seed + epoch (set_epoch), as
-    DistributedSampler does, so a restarted run sees the same batches.
-    """
+    """DataLoader's place for a dataset held whole in memory, on the training device: the transform runs once, over
+    every image at the same time, and the batches are gathered by index on the device (no per-sample Python work,
+    no host-to-device copy in the training loop). Takes DataLoader's batch_size, shuffle and sampler; shuffle=True
+    draws each epoch's order from seed + epoch (set_epoch), so a restarted run sees the same batches."""
 
     def __init__(self, dataset, batch_size, shuffle=False, sampler=None, seed=0, device='cpu'):
         self.dataset, self.batch_size = dataset, batch_size
-        self.shuffle, self.sampler, self.seed, self.epoch = shuffle, sampler, seed, 0
+        # else one replica's DistributedSampler: the whole set, in the order of seed + epoch (or as it is)
+        self.sampler = sampler if sampler is not None else DistributedSampler(dataset, 1, 0, shuffle=shuffle, seed=seed)
         # The images [N, 28, 28] seen as one 28x28 picture with N channels: ToTensor and Normalize
         # work pixel by pixel, so this one call gives every image bit for bit what it gives each.
         images = dataset.transform(dataset.data.numpy().transpose(1, 2, 0))
@@ -292,19 +281,13 @@ class TensorLoader:
             raise SetupError(f'{dataset.raw_folder} holds labels outside 0..9: the label file is corrupt.')
 
     def set_epoch(self, epoch):
-        self.epoch = epoch
+        self.sampler.set_epoch(epoch)
 
     def __len__(self):
-        return math.ceil(len(self.sampler if self.sampler is not None else self.dataset) / self.batch_size)
+        return math.ceil(len(self.sampler) / self.batch_size)
 
     def __iter__(self):
-        if self.sampler is not None:
-            order = torch.tensor(list(self.sampler))
-        elif self.shuffle:
-            order = torch.randperm(len(self.dataset), generator=torch.Generator().manual_seed(self.seed + self.epoch))
-        else:
-            order = torch.arange(len(self.dataset))
-        for indices in order.to(self.images.device).split(self.batch_size):
+        for indices in torch.tensor(list(self.sampler), device=self.images.device).split(self.batch_size):
             yield self.images[indices], self.labels[indices]
 
 
@@ -431,11 +414,9 @@ def training_complete(checkpoint, num_epochs, best_model_path, main_process=True
 
 
 def resume(checkpoint, model, optimizer, best_model_path, main_process=True):
-    """Load the checkpoint into model and optimizer; return (start_epoch, best_val_accuracy, best_epoch).
-
-    Without a checkpoint the run starts at epoch 0, and the main process (global rank 0) sets an earlier run
-    (--no-resume) aside whole, as best_model.pth.previous and checkpoint.pth.previous.
-    """
+    """Load the checkpoint into model and optimizer; return (start_epoch, best_val_accuracy, best_epoch). Without
+    one the run starts at epoch 0, and the main process (global rank 0) sets an earlier run (--no-resume) aside
+    whole, as best_model.pth.previous and checkpoint.pth.previous."""
     global _epochs_saved
     _epochs_saved = 0 if checkpoint is None else checkpoint['epochs_done']
     if checkpoint is None:

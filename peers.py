@@ -174,21 +174,20 @@ def connecting(rank, world_size):
     done = threading.Event()
 
     def failed_elsewhere():  # the error of a rank whose peer failed to connect first, or None
-        if not _job_store.check(['unconnected']):
-            return None
-        failed = int(_job_store.get('unconnected'))
-        error = SetupError(f'rank {failed} ({host_of(failed)}) could not connect: see its paragraph.')
-        error.origin = failed
-        return error
+        with contextlib.suppress(Exception):  # the store went with its host: gloo's own wait ends this rank's
+            if _job_store.check(['unconnected']):
+                failed = int(_job_store.get('unconnected'))
+                error = SetupError(f'rank {failed} ({host_of(failed)}) could not connect: see its paragraph.')
+                error.origin = failed
+                _job_store.add('unconnected/seen', 1)
+                return error
 
     def watch():
         while not done.wait(0.5):
-            with contextlib.suppress(Exception):  # the store went with its host: gloo's own wait ends this one
-                error = failed_elsewhere()
-                if error and not done.is_set():
-                    _job_store.add('unconnected/seen', 1)
-                    report_failure(error)
-                    os._exit(1)
+            error = failed_elsewhere()
+            if error and not done.is_set():
+                report_failure(error)
+                os._exit(1)
     if _job_store is not None:
         threading.Thread(target=watch, daemon=True).start()
     try:
@@ -197,9 +196,7 @@ def connecting(rank, world_size):
             _setup_group = dist.new_group(backend='gloo', timeout=SETUP_TIMEOUT)
     except RuntimeError as e:  # DistBackendError and DistStoreError too
         done.set()
-        error = None
-        with contextlib.suppress(Exception):
-            error = failed_elsewhere()
+        error = failed_elsewhere()
         if error:  # another rank failed first: its failure is the cause
             raise error from None
         with contextlib.suppress(Exception):  # the store may end with this rank (or its node's torchrun): wait for
@@ -248,14 +245,11 @@ def shared_gpus(placements):
 
 
 def attempt_store(agent_store, rank, world_size, timeout):
-    """A store of this restart attempt's own, served by rank 0; its port is passed on through torchrun's.
-
-    torchrun's store outlives restarts (pytorch/pytorch#135712: shared across c10d rounds), and with
-    --rdzv_backend=c10d the nodes' TORCHELASTIC_RESTART_COUNT differ after a membership change: no prefix
-    both agree on. In a dead attempt's keys a restarted rank would find dead addresses (a Gloo "Connection
-    refused", an NCCL hang). Each attempt's store takes its world's arrivals once: one that has had them all
-    is a dead attempt's (its rank 0 may not have exited yet), and its port is read again.
-    """
+    """A store of this restart attempt's own, served by rank 0; its port is passed on through torchrun's. torchrun's
+    store outlives restarts (pytorch/pytorch#135712: shared across c10d rounds), and with --rdzv_backend=c10d the
+    nodes' TORCHELASTIC_RESTART_COUNT differ after a membership change: no prefix both agree on. In a dead attempt's
+    keys a restarted rank would find dead addresses (a Gloo "Connection refused", an NCCL hang). Each attempt's store
+    takes its world's arrivals once: one that has had them all is a dead attempt's, and its port is read again."""
     host = os.environ['MASTER_ADDR']
     if rank == 0:
         store = dist.TCPStore(host, 0, world_size, is_master=True, timeout=timedelta(seconds=timeout),

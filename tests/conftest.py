@@ -2,9 +2,11 @@
 import contextlib
 import gzip
 import http.server
+import io
 import os
 import queue
 import re
+import runpy
 import shutil
 import signal
 import socket
@@ -14,6 +16,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 import zlib
 from pathlib import Path
 
@@ -149,6 +152,47 @@ def run(args, env=None, timeout=180, check=True):
         raise AssertionError(f'{args} exited {result.returncode}\n--- stdout\n{result.stdout}'
                              f'\n--- stderr\n{result.stderr}')
     return result.returncode, result.stdout, result.stderr
+
+
+def run_script(args, env=None, check=True):
+    """run() of a training script's command, [python, SCRIPT, ARGS...], in this process, its __main__ block
+    included: (exit code, stdout, stderr) as the process gives them, less its start-up (torch is imported already).
+    For what a run says and writes; how a process starts, stops or meets a signal stays with run(). The
+    environment, signal handlers, torch's threads and the output folder's lock are put back after it."""
+    from unittest import mock
+    import torch
+    import torch.distributed as dist
+    import common
+    streams = [io.TextIOWrapper(io.BytesIO(), encoding='utf-8', write_through=True) for _ in range(2)]
+    handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM, SIGHUP) if signum}
+    threads, claimed, returncode = torch.get_num_threads(), set(common._claimed), 0
+    with mock.patch.dict(os.environ, env or script_env(), clear=True), \
+            mock.patch.object(sys, 'argv', [str(a) for a in args[1:]]), \
+            contextlib.redirect_stdout(streams[0]), contextlib.redirect_stderr(streams[1]):
+        torch.set_num_threads(1)  # as OMP_NUM_THREADS=1 in a process of script_env's
+        try:
+            runpy.run_path(str(args[1]), run_name='__main__')
+        except SystemExit as e:  # as the interpreter ends: a message goes to stderr, with exit code 1
+            returncode = 1 if isinstance(e.code, str) else e.code or 0
+            if isinstance(e.code, str):
+                print(e.code, file=sys.stderr)
+        except Exception:  # uncaught: a traceback
+            traceback.print_exc()
+            returncode = 1
+        finally:
+            torch.set_num_threads(threads)
+            for signum, handler in handlers.items():
+                signal.signal(signum, handler)
+            for folder in set(common._claimed) - claimed:  # the output folder's lock, as the process's end
+                os.close(common._claimed.pop(folder))
+            if dist.is_initialized():
+                dist.destroy_process_group()
+    for stream in streams:
+        stream.flush()
+    stdout, stderr = (stream.buffer.getvalue().decode(errors='backslashreplace') for stream in streams)
+    if check and returncode != 0:
+        raise AssertionError(f'{args} exited {returncode}\n--- stdout\n{stdout}\n--- stderr\n{stderr}')
+    return returncode, stdout, stderr
 
 
 # Windows reports a write to a closed pipe as EINVAL, not as a broken pipe: not handled there

@@ -15,7 +15,7 @@ import torch
 
 import common
 from conftest import (ROOT, FILES, Mirror, dist_cmd, event_writers, free_port, gz_files, in_tmp, read_scalars, run,
-                      script_env, start, torchrun, torchrun_report)
+                      run_script, script_env, start, torchrun, torchrun_report)
 
 FAST = ('--lr', '0.1', '--batch-size', '16', '--log-interval', '5')
 SCRIPT = ROOT / 'mnist_train_distributed.py'
@@ -59,12 +59,12 @@ def test_two_processes_on_one_node(mnist_dir, tmp_path):
 def test_without_torchrun_runs_as_a_world_of_one(mnist_dir, tmp_path):
     out = tmp_path / 'out'
     # A MASTER_ADDR and MASTER_PORT left in the environment by something else do not make a job.
-    _, stdout, _ = run(dist_cmd('--data-dir', mnist_dir, '--output-dir', out, '--epochs', '1', *FAST),
-                       env=script_env(MASTER_ADDR='10.0.0.1', MASTER_PORT='29500'))
+    _, stdout, _ = run_script(dist_cmd('--data-dir', mnist_dir, '--output-dir', out, '--epochs', '1', *FAST),
+                              env=script_env(MASTER_ADDR='10.0.0.1', MASTER_PORT='29500'))
     assert stdout.startswith('Not started by torchrun')
     assert 'Rank 0/1 (local rank 0' in stdout
     check_result(stdout, out, epochs=1, world_size=1)
-    _, stdout, _ = run(dist_cmd('--data-dir', mnist_dir, '--output-dir', out, '--epochs', '1', *FAST))
+    _, stdout, _ = run_script(dist_cmd('--data-dir', mnist_dir, '--output-dir', out, '--epochs', '1', *FAST))
     assert 'Training already complete' in stdout and 'Train Epoch' not in stdout
 
 
@@ -142,7 +142,7 @@ def test_a_node_without_data_stops_every_rank_with_the_reason(mnist_dir, tmp_pat
 
 def test_a_refused_resume_is_the_root_cause_in_torchruns_report(mnist_dir, tmp_path):
     out = tmp_path / 'out'
-    run(dist_cmd('--data-dir', mnist_dir, '--output-dir', out, '--epochs', '1', *FAST))  # lr 0.1
+    run_script(dist_cmd('--data-dir', mnist_dir, '--output-dir', out, '--epochs', '1', *FAST))  # lr 0.1
     port = free_port()
     nodes = [start(torchrun('--nproc_per_node=1', '--nnodes=2', f'--node_rank={node}', '--master_addr=127.0.0.1',
                             f'--master_port={port}', SCRIPT, '--data-dir', mnist_dir, '--output-dir', out,
@@ -308,8 +308,8 @@ def test_plain_python_processes_with_a_launchers_variables_train_together(mnist_
 
 
 def test_slurm_tasks_without_torchrun_are_refused(tmp_path):
-    returncode, stdout, stderr = run(dist_cmd(*in_tmp(tmp_path)), check=False,
-                                     env=script_env(SLURM_NTASKS='4', SLURM_PROCID='1'))
+    returncode, stdout, stderr = run_script(dist_cmd(*in_tmp(tmp_path)), check=False,
+                                            env=script_env(SLURM_NTASKS='4', SLURM_PROCID='1'))
     assert returncode == 1 and 'Traceback' not in stderr and 'Train Epoch' not in stdout
     assert 'error: started by SLURM as 4 tasks without torchrun' in stderr
     assert 'srun --ntasks-per-node=1 torchrun --nnodes=$SLURM_NNODES' in stderr

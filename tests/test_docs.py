@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, run
+from conftest import ROOT, run, run_script
 
 DOCS = [ROOT / 'README.md', *sorted((ROOT / 'docs').glob('*.md'))]
 SOURCES = sorted(ROOT.glob('*.py'))  # the scripts and the modules they import
@@ -150,7 +150,7 @@ def test_run_local_names_an_unknown_command_and_the_ones_it_has():
 def test_the_scripts_help_examples_write_to_different_folders():
     outputs = []
     for script in ('mnist_train.py', 'mnist_train_distributed.py'):
-        _, stdout, _ = run([sys.executable, ROOT / script, '--help'])
+        _, stdout, _ = run_script([sys.executable, ROOT / script, '--help'])
         stdout = re.sub(r' *\\\n *', ' ', stdout)  # a command continued on the next line
         outputs.append(re.search(r'^ +(?:python|torchrun) .*--output-dir (\S+)', stdout, re.M).group(1))
     assert outputs[0] != outputs[1], outputs

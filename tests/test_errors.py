@@ -1,18 +1,20 @@
-"""Bad input gets one readable paragraph, a non-zero exit within seconds, and loses nothing saved."""
+"""Bad input gets one readable paragraph, a non-zero exit within seconds, and loses nothing saved. The scripts run in
+the test's process (run_script) where the paragraph is the point, as processes where the process is."""
 import os
 import sys
 
 import pytest
 
-from conftest import (dist_cmd, in_tmp, make_mnist, run, run_into_a_closed_pipe, script_env, skip_on_windows_pipes,
-                      train_cmd)
+from conftest import (dist_cmd, in_tmp, make_mnist, run, run_into_a_closed_pipe, run_script, script_env,
+                      skip_on_windows_pipes, train_cmd)
 
 OFFLINE = dict(http_proxy='http://127.0.0.1:9', https_proxy='http://127.0.0.1:9', no_proxy='')
 
 
-def fails(cmd, *messages, env=None, code=1):
-    """Run cmd, expect exit code and each message in stderr, no traceback; return stderr."""
-    returncode, stdout, stderr = run(cmd, env=env or script_env(**OFFLINE), timeout=60, check=False)
+def fails(cmd, *messages, env=None, code=1, runner=run_script):
+    """Run cmd (runner: run for a process), expect exit code and each message in stderr, no traceback; return
+    stderr."""
+    returncode, stdout, stderr = runner(cmd, env=env or script_env(**OFFLINE), check=False)
     assert returncode == code, f'exit {returncode}\n{stdout}\n{stderr}'
     assert 'Traceback' not in stderr
     for message in messages:
@@ -26,7 +28,7 @@ def test_missing_data_offline_says_which_files_go_where(script, tmp_path):
     stderr = fails(script('--data-dir', tmp_path / 'data', '--output-dir', tmp_path / 'out'),
                    f'error: MNIST is not in {tmp_path}/data/MNIST/raw and could not be downloaded',
                    'train-images-idx3-ubyte, train-labels-idx1-ubyte, t10k-images-idx3-ubyte, '
-                   't10k-labels-idx1-ubyte', 'MNIST_MIRROR')
+                   't10k-labels-idx1-ubyte', 'MNIST_MIRROR', runner=run)  # a process, offline
     assert len(stderr.strip().splitlines()) == 1
     assert not list((tmp_path / 'data' / 'MNIST' / 'raw').iterdir()), 'no partial download left'
 
@@ -88,7 +90,7 @@ def test_default_dlc_paths_on_a_laptop_name_the_flags():
               "sys.argv = ['mnist_train.py']\n"
               "runpy.run_path('mnist_train.py', run_name='__main__')\n")
     fails([sys.executable, '-c', laptop], 'cannot write to the output folder /mnt/data/output',
-          'pass --data-dir and --output-dir')
+          'pass --data-dir and --output-dir', runner=run)
 
 
 def test_corrupt_checkpoint_is_kept_and_refused(mnist_dir, tmp_path):

@@ -11,7 +11,7 @@ from PIL import Image
 from torchvision import datasets, transforms
 
 import common
-from conftest import ROOT, dist_cmd, free_port, run, script_env, start, torchrun, train_cmd
+from conftest import ROOT, dist_cmd, free_port, run, run_script, script_env, start, torchrun, train_cmd
 
 # The document's preprocessing, written out here as the document writes it: the scripts' own must equal it.
 DOCUMENT_TRANSFORM = transforms.Compose([transforms.ToTensor(), transforms.Normalize((0.5,), (0.5,))])
@@ -42,7 +42,7 @@ def test_printed_validation_equals_the_documents_validation_of_the_saved_weights
     out = tmp_path / 'out'
     args = ('--data-dir', mnist_dir, '--output-dir', out, '--epochs', '1', *FAST)
     if launch == 'single':
-        _, stdout, _ = run(train_cmd(*args))
+        _, stdout, _ = run_script(train_cmd(*args))
     else:  # 200 test images over 2 or 3 ranks: shares of 100, or 67, 67 and 66
         _, stdout, _ = run(torchrun('--standalone', f'--nproc_per_node={launch[-1]}',
                                     ROOT / 'mnist_train_distributed.py', *args))

@@ -1,6 +1,7 @@
 """The mistakes users really make end with the right result or one clear paragraph, never a lost result:
 changed hyperparameters on resume, divergence, Ctrl-C and SIGTERM, a full disk, hand-made data folders,
-a device that is not there, two runs at once into one folder. Both scripts, run as users run them."""
+a device that is not there, two runs at once into one folder. Both scripts, as processes where the process is the
+point (signals, exit codes under torchrun), else in this process with their __main__ block (run_script)."""
 import gzip
 import os
 import re
@@ -14,7 +15,7 @@ import torch
 
 import common
 from conftest import (ROOT, SIGHUP, Mirror, dist_cmd, free_port, gz_files, in_tmp, make_mnist, run, run_main,
-                      script_env, skip_without_sighup, start, torchrun, torchrun_report, train_cmd)
+                      run_script, script_env, skip_without_sighup, start, torchrun, torchrun_report, train_cmd)
 
 FAST = ('--lr', '0.1', '--batch-size', '16', '--log-interval', '10')
 OFFLINE = dict(http_proxy='http://127.0.0.1:9', https_proxy='http://127.0.0.1:9', no_proxy='')
@@ -39,13 +40,13 @@ def one_paragraph_error(result, code=1):
 
 @SCRIPTS
 def test_a_changed_learning_rate_or_batch_size_stops_before_any_work(script, mnist_dir, tmp_path):
-    out, module = tmp_path / 'out', script()[1].stem  # the runs that succeed, in this process; the refusal a process's
+    out, module = tmp_path / 'out', script()[1].stem
     run_main(module, '--data-dir', mnist_dir, '--output-dir', out, '--epochs', '1', *FAST)
     before = files(out)
     # The document's advice: look at the curves, then train again with more epochs and another lr.
-    message = one_paragraph_error(run(script('--data-dir', mnist_dir, '--output-dir', out, '--epochs', '3',
-                                             '--lr', '0.05', '--batch-size', '32', '--log-interval', '10'),
-                                      check=False))
+    message = one_paragraph_error(run_script(script('--data-dir', mnist_dir, '--output-dir', out, '--epochs', '3',
+                                                    '--lr', '0.05', '--batch-size', '32', '--log-interval', '10'),
+                                             check=False))
     assert f'{out}/checkpoint.pth was trained with --lr 0.1 (now 0.05), --batch-size 16 (now 32)' in message
     assert '--no-resume' in message and '--output-dir' in message and 'pass the recorded values' in message
     assert files(out) == before
@@ -63,18 +64,18 @@ def test_a_changed_learning_rate_or_batch_size_stops_before_any_work(script, mni
 
 
 def test_a_changed_seed_stops_and_a_checkpoint_from_before_the_record_still_resumes(mnist_dir, tmp_path):
-    out = tmp_path / 'out'  # the runs that succeed, in this process; the refusals a process's
+    out = tmp_path / 'out'
     run_main('mnist_train', '--data-dir', mnist_dir, '--output-dir', out, '--epochs', '1', *FAST)
-    message = one_paragraph_error(run(train_cmd('--data-dir', mnist_dir, '--output-dir', out, '--epochs', '2',
-                                                '--seed', '1', *FAST), check=False))
+    message = one_paragraph_error(run_script(train_cmd('--data-dir', mnist_dir, '--output-dir', out, '--epochs', '2',
+                                                       '--seed', '1', *FAST), check=False))
     assert 'was trained with --seed 0 (now 1)' in message
     # A checkpoint written before the hyperparameters were recorded: its optimizer state still holds
     # the lr, so a changed --lr is caught; the same flags resume as they always did.
     checkpoint = torch.load(out / 'checkpoint.pth', weights_only=True)
     del checkpoint['hyperparameters']
     torch.save(checkpoint, out / 'checkpoint.pth')
-    message = one_paragraph_error(run(train_cmd('--data-dir', mnist_dir, '--output-dir', out, '--epochs', '2',
-                                                *FAST, '--lr', '0.05'), check=False))
+    message = one_paragraph_error(run_script(train_cmd('--data-dir', mnist_dir, '--output-dir', out, '--epochs', '2',
+                                                       *FAST, '--lr', '0.05'), check=False))
     assert 'was trained with --lr 0.1 (now 0.05)' in message
     stdout = run_main('mnist_train', '--data-dir', mnist_dir, '--output-dir', out, '--epochs', '2', *FAST)
     assert stdout.startswith('Resuming from epoch 1 ') and 'Epoch 1 done' in stdout
@@ -91,8 +92,8 @@ def test_divergence_stops_at_once_and_keeps_the_last_good_epoch(mnist_dir, tmp_p
     checkpoint['hyperparameters']['lr'] = checkpoint['optimizer']['param_groups'][0]['lr'] = 1e6
     torch.save(checkpoint, out / 'checkpoint.pth')
     before = files(out)
-    result = run(train_cmd('--data-dir', mnist_dir, '--output-dir', out, '--epochs', '5', '--lr', '1e6',
-                           '--batch-size', '16', '--log-interval', '10'), check=False)
+    result = run_script(train_cmd('--data-dir', mnist_dir, '--output-dir', out, '--epochs', '5', '--lr', '1e6',
+                                  '--batch-size', '16', '--log-interval', '10'), check=False)
     message = one_paragraph_error(result)
     assert re.search(r'training diverged: the loss became (nan|inf) at epoch 1, batch \d+\. ', message), message
     assert 'smaller --lr' in message
@@ -106,7 +107,7 @@ def test_divergence_in_the_first_epoch_saves_nothing(launch, mnist_dir, tmp_path
     args = ('--data-dir', mnist_dir, '--output-dir', out, '--epochs', '3', '--lr', '1e6', '--batch-size', '16',
             '--log-interval', '10')
     if launch == 'single':
-        message = one_paragraph_error(run(train_cmd(*args), check=False))
+        message = one_paragraph_error(run_script(train_cmd(*args), check=False))
         assert re.search(r'the loss became (nan|inf) at epoch 0, batch \d+', message)
     else:
         returncode, stdout, stderr = run(torchrun('--standalone', '--nproc_per_node=2',
@@ -133,7 +134,7 @@ def test_an_interrupt_ends_with_one_line_and_the_rerun_resumes(signum, code, nam
     assert output.rstrip().endswith(f'Stopped by {name}, after 1 finished epochs: the same command resumes '
                                     f'from epoch 1.'), output
     assert sorted(p.name for p in out.iterdir()) == ['best_model.pth', 'checkpoint.pth', 'runs'], 'no .tmp left'
-    _, stdout, _ = run(train_cmd(*args))
+    _, stdout, _ = run_script(train_cmd(*args))
     assert stdout.startswith('Resuming from epoch 1 ') and re.findall(r'^Epoch (\d) done', stdout, re.M) == ['1', '2']
 
 
@@ -155,7 +156,7 @@ def test_a_no_resume_run_stopped_in_its_first_epoch_gives_advice_that_works(flag
                           'checkpoint.pth.previous': earlier['checkpoint.pth']}, 'the earlier run set aside whole'
     # The same command, or the same without --no-resume: a run from epoch 0 with these flags, not a refusal
     # nor "Training already complete".
-    _, stdout, _ = run(train_cmd(*args))
+    _, stdout, _ = run_script(train_cmd(*args))
     assert 'Resuming' not in stdout and 'already complete' not in stdout
     assert re.findall(r'^Epoch (\d) done', stdout, re.M) == ['0'] and (out / 'best_model.pth').exists()
 
@@ -246,7 +247,7 @@ def test_a_full_disk_names_the_file_keeps_the_previous_ones_and_the_rerun_resume
     assert checkpoint['epochs_done'] == 1
     best = torch.load(out / 'best_model.pth', weights_only=True)  # epoch 0's, whole: the failed save left it
     assert all(torch.equal(best[key], checkpoint['model'][key]) for key in best)
-    _, stdout, _ = run(args)  # space freed: the same command
+    _, stdout, _ = run_script(args)  # space freed: the same command
     assert 'Resuming from epoch 1 ' in stdout and 'Epoch 2 done' in stdout
 
 
@@ -304,7 +305,7 @@ def test_a_second_run_into_the_folder_of_a_running_one_stops_and_changes_nothing
         refusal = (f'error: another run is writing to {out} now (the same command in another terminal, or a job '
                    f'submitted twice): let it end, or stop it, before running again into this folder; or pass '
                    f'another --output-dir.')
-        assert one_paragraph_error(run(train_cmd(*args), check=False)) == refusal
+        assert one_paragraph_error(run_script(train_cmd(*args), check=False)) == refusal
         # Rank 0, refused, ends 6 s late (as a GPU's teardown may): torch 2.3's torchrun looks every 5 s
         slow_exit = tmp_path / 'slow_exit'
         slow_exit.mkdir()
@@ -325,7 +326,7 @@ def test_a_second_run_into_the_folder_of_a_running_one_stops_and_changes_nothing
         proc.send_signal(signal.SIGCONT)
     output = reader.rest(timeout=120)
     assert proc.returncode == 0 and output.rstrip().endswith('Training complete. writer.close()'), output
-    _, stdout, _ = run(train_cmd(*args))  # once it has ended, the folder is free again
+    _, stdout, _ = run_script(train_cmd(*args))  # once it has ended, the folder is free again
     assert stdout.startswith('Training already complete'), stdout
 
 
@@ -334,9 +335,9 @@ def test_a_second_run_into_the_folder_of_a_running_one_stops_and_changes_nothing
 def test_a_device_that_is_not_there_gets_a_clear_message(tmp_path):
     if torch.backends.mps.is_available():
         pytest.skip('this machine has MPS')
-    message = one_paragraph_error(run(train_cmd('--device', 'mps', *in_tmp(tmp_path)), check=False))
+    message = one_paragraph_error(run_script(train_cmd('--device', 'mps', *in_tmp(tmp_path)), check=False))
     assert message.startswith('error: --device mps is not available on this machine (MPS needs a Mac')
-    message = one_paragraph_error(run(dist_cmd('--device', 'mps', *in_tmp(tmp_path)), check=False))
+    message = one_paragraph_error(run_script(dist_cmd('--device', 'mps', *in_tmp(tmp_path)), check=False))
     assert message.startswith('error: --device mps: the distributed script trains on cpu, or on cuda')
 
 

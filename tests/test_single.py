@@ -9,7 +9,7 @@ import torch
 from torchvision import datasets, transforms
 
 import common
-from conftest import ROOT, read_review, read_scalars, run, run_main, script_env, start, train_cmd
+from conftest import ROOT, read_review, read_scalars, run, run_main, run_script, script_env, start, train_cmd
 
 FAST = ('--lr', '0.1', '--batch-size', '16', '--log-interval', '10')  # learns the tiny set in 3 epochs
 
@@ -72,7 +72,7 @@ def test_resume_after_a_kill_mid_epoch_matches_an_uninterrupted_run(mnist_big_di
     proc.send_signal(signal.SIGKILL)
     assert 'Epoch 1 done' not in reader.rest(timeout=30), 'the kill came after epoch 1 ended'
 
-    _, stdout, _ = run(train_cmd(*args, '--output-dir', out))
+    _, stdout, _ = run_script(train_cmd(*args, '--output-dir', out))
     assert stdout.startswith('Resuming from epoch 1 ')
     assert re.findall(r'^Epoch (\d) done', stdout, re.M) == ['1', '2']
 
@@ -131,7 +131,7 @@ def test_a_real_tensorboard_shows_the_new_tabs(mnist_dir, tmp_path):
     import urllib.request
     from conftest import free_port
     out = tmp_path / 'out'
-    run(train_cmd('--data-dir', mnist_dir, '--output-dir', out, '--epochs', '1', *FAST))
+    run_script(train_cmd('--data-dir', mnist_dir, '--output-dir', out, '--epochs', '1', *FAST))
     port = free_port()
     proc, reader = start([sys.executable, '-m', 'tensorboard.main', '--logdir', out / 'runs', '--host', '127.0.0.1',
                           '--port', str(port)])

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, run, script_env
+from conftest import ROOT, run, run_script, script_env
 
 
 @pytest.mark.one_leg  # torch-independent: argparse's text
@@ -19,7 +19,7 @@ from conftest import ROOT, run, script_env
      'common.py, peers.py and review.py'),
 ])
 def test_help_shows_the_dlc_start_command_and_the_output(script, start_command, modules):
-    _, stdout, _ = run([sys.executable, ROOT / script, '--help'])
+    _, stdout, _ = run_script([sys.executable, ROOT / script, '--help'])
     assert start_command in stdout
     assert 'best_model.pth' in stdout and 'checkpoint.pth' in stdout and 'runs/mnist_experiment' in stdout
     assert f'upload {modules} beside this script' in ' '.join(stdout.split())
@@ -277,13 +277,13 @@ def test_run_local_in_git_bash_says_how_to_run_on_windows_and_makes_nothing(comm
 
 @pytest.mark.one_leg
 def test_gpu_check_runs_every_check_on_the_cpu_and_fails_for_a_failed_one(mnist_big_dir, tmp_path):
-    # CI has no GPU: the same command on the CPU checks its own logic. A bar no run reaches (101%) makes the
-    # single script's check fail, and so the command; every other check still runs and passes.
+    # CI has no GPU: the same command on the CPU checks its own logic, one epoch a run. A bar no run reaches (101%)
+    # makes the single script's check fail, and so the command; every other check still runs and passes.
     out, temporary = tmp_path / 'out', tmp_path / 'tmp'
     temporary.mkdir()
     env = script_env(TMPDIR=str(temporary))
     returncode, stdout, _ = run([sys.executable, ROOT / 'tests' / 'gpu_check.py', '--device', 'cpu', '--data-dir',
-                                 mnist_big_dir, '--min-accuracy', '101', '--output-dir', out,
+                                 mnist_big_dir, '--epochs', '1', '--min-accuracy', '101', '--output-dir', out,
                                  '--join-timeout', '120'], check=False, timeout=600, env=env)
     checks = dict(re.findall(r'^check (\w+): (ok|FAILED|skipped): ', stdout, re.M))
     assert checks == {'single': 'FAILED', 'placement': 'skipped', 'standalone': 'ok', 'static': 'ok',
@@ -291,7 +291,7 @@ def test_gpu_check_runs_every_check_on_the_cpu_and_fails_for_a_failed_one(mnist_
     assert re.search(r'^check single: FAILED: best \d+\.\d\d% \(bar 101\.0%\), \d+\.\d\ds an epoch; one epoch, ours / '
                      r'the document\'s pipeline: \d\.\d{3}$', stdout, re.M), stdout
     assert 'check placement: skipped: CUDA only' in stdout
-    assert re.search(r'^check standalone: ok: 2 processes, 2 validations of 200 images', stdout, re.M)
+    assert re.search(r'^check standalone: ok: 2 processes, 1 validations of 200 images', stdout, re.M)
     assert re.search(r'^check serve: ok: 20 test digits: 20/20 as on cpu', stdout, re.M)
     assert stdout.splitlines()[-1] == 'gpu-check: 5 passed, 1 failed, 1 skipped' and returncode == 1
     assert left_in(temporary) == []  # the digits served and torchrun's folders are in the output folder

@@ -146,7 +146,6 @@ def test_run_local_names_an_unknown_command_and_the_ones_it_has():
     assert sorted(named) == sorted(cases) and all(f'./run_local.sh {name} ' in usage for name in named), named
 
 
-@pytest.mark.one_leg  # torch-independent: argparse's text
 def test_the_scripts_help_examples_write_to_different_folders():
     outputs = []
     for script in ('mnist_train.py', 'mnist_train_distributed.py'):

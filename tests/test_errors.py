@@ -33,7 +33,6 @@ def test_missing_data_offline_says_which_files_go_where(script, tmp_path):
     assert not list((tmp_path / 'data' / 'MNIST' / 'raw').iterdir()), 'no partial download left'
 
 
-@pytest.mark.one_leg  # torch-independent: a start-up error of our own
 def test_truncated_mnist_file_is_named(tmp_path):
     root = make_mnist(tmp_path / 'data', 64, 32)
     labels = root / 'MNIST' / 'raw' / 't10k-labels-idx1-ubyte'
@@ -42,7 +41,6 @@ def test_truncated_mnist_file_is_named(tmp_path):
           f'error: {labels} is not a complete MNIST file', 'truncated or corrupt')
 
 
-@pytest.mark.one_leg  # torch-independent: a start-up error of our own
 @pytest.mark.parametrize('script', [train_cmd, dist_cmd])
 def test_unwritable_output_folder_is_found_before_reading_data(script, tmp_path):
     (tmp_path / 'a_file').write_text('')
@@ -51,7 +49,6 @@ def test_unwritable_output_folder_is_found_before_reading_data(script, tmp_path)
           f'cannot write to the output folder {tmp_path}/a_file/out', '--output-dir')
 
 
-@pytest.mark.one_leg  # torch-independent: a start-up error of our own
 @pytest.mark.skipif(sys.platform == 'win32', reason='a file name in bytes that are not UTF-8: not on Windows')
 @pytest.mark.parametrize('script', [train_cmd, dist_cmd])
 def test_an_output_folder_not_named_in_utf8_is_refused_before_training(script, tmp_path):
@@ -114,7 +111,6 @@ def test_checkpoint_of_another_model_is_refused_in_the_distributed_script(mnist_
           'is not a readable checkpoint of this model', '--no-resume')
 
 
-@pytest.mark.one_leg  # torch-independent: argparse
 @pytest.mark.parametrize('script, flag, value, message', [
     (train_cmd, '--epochs', '0', "argument --epochs: must be a positive int, got '0'"),
     (dist_cmd, '--batch-size', '-64', "argument --batch-size: must be a positive int, got '-64'"),
@@ -130,7 +126,6 @@ def test_invalid_numbers(script, flag, value, message, tmp_path):
     fails(script(flag, value, *in_tmp(tmp_path)), message, code=2)
 
 
-@pytest.mark.one_leg  # torch-independent: argparse
 def test_unknown_backend(tmp_path):
     fails(dist_cmd('--backend', 'mpi', *in_tmp(tmp_path)), "argument --backend: invalid choice: 'mpi'", code=2)
 
@@ -141,7 +136,6 @@ def test_cuda_asked_for_without_cuda(tmp_path):
     fails(dist_cmd('--backend', 'nccl', *in_tmp(tmp_path)), 'needs CUDA, which is not available')
 
 
-@pytest.mark.one_leg  # torch-independent: a start-up error of our own
 def test_half_set_distributed_environment(tmp_path):
     fails(dist_cmd(*in_tmp(tmp_path)), 'WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT missing',
           env=script_env(RANK='0'))

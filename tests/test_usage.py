@@ -12,7 +12,6 @@ import pytest
 from conftest import ROOT, run, run_script, script_env
 
 
-@pytest.mark.one_leg  # torch-independent: argparse's text
 @pytest.mark.parametrize('script, start_command, modules', [
     ('mnist_train.py', 'python /mnt/data/mnist_train.py', 'common.py and review.py'),
     ('mnist_train_distributed.py', 'torchrun --nproc_per_node=1 --nnodes=${WORLD_SIZE} --node_rank=${RANK}',

@@ -2,13 +2,14 @@
 changed hyperparameters on resume, divergence, Ctrl-C and SIGTERM, a full disk, hand-made data folders,
 a device that is not there, two runs at once into one folder. Both scripts, as processes where the process is the
 point (signals, exit codes under torchrun), else in this process with their __main__ block (run_script)."""
+import errno
 import gzip
 import os
 import re
 import signal
 import socket
-import sys
 import time
+from unittest import mock
 
 import pytest
 import torch
@@ -220,25 +221,24 @@ def test_a_stop_during_the_first_download_leaves_nothing_behind(signum, code, na
 
 # --- 4. A full disk ---------------------------------------------------------------------------------
 
-FULL_DISK = '''
-import errno, os, runpy, sys
-calls, real_fsync = [0], os.fsync
-def fsync(fd):  # the disk fills up at the third file the script saves
-    calls[0] += 1
-    if calls[0] >= 3:
-        raise OSError(errno.ENOSPC, 'No space left on device')
-    return real_fsync(fd)
-os.fsync = fsync
-sys.argv = sys.argv[1:]
-runpy.run_path(sys.argv[0], run_name='__main__')
-'''
+def full_disk_after(saves):
+    """os.fsync of a disk that fills up once `saves` files are saved: ENOSPC from then on."""
+    calls, real_fsync = [0], os.fsync
+
+    def fsync(fd):
+        calls[0] += 1
+        if calls[0] > saves:
+            raise OSError(errno.ENOSPC, 'No space left on device')
+        return real_fsync(fd)
+    return mock.patch.object(os, 'fsync', fsync)
 
 
 @SCRIPTS
 def test_a_full_disk_names_the_file_keeps_the_previous_ones_and_the_rerun_resumes(script, mnist_dir, tmp_path):
     out = tmp_path / 'out'
     args = script('--data-dir', mnist_dir, '--output-dir', out, '--epochs', '3', *FAST)
-    message = one_paragraph_error(run([sys.executable, '-c', FULL_DISK, *map(str, args[1:])], check=False))
+    with full_disk_after(2):  # the third file the script saves
+        message = one_paragraph_error(run_script(args, check=False))
     # Epoch 0 saved best_model.pth and checkpoint.pth; the first save of epoch 1 found the disk full.
     assert re.search(rf'error: could not write {out}/(best_model|checkpoint)\.pth \(No space left on device\)\. '
                      r'The previous (best_model|checkpoint)\.pth, if any, is left as it was', message), message
@@ -262,8 +262,8 @@ def test_the_gz_files_alone_are_used_offline(script, tmp_path):
         originals[path.name] = path.read_bytes()
         (raw / (path.name + '.gz')).write_bytes(gzip.compress(originals[path.name]))
         path.unlink()
-    _, stdout, _ = run(script('--data-dir', root, '--output-dir', tmp_path / 'out', '--epochs', '1', *FAST),
-                       env=script_env(**OFFLINE))
+    _, stdout, _ = run_script(script('--data-dir', root, '--output-dir', tmp_path / 'out', '--epochs', '1', *FAST),
+                              env=script_env(**OFFLINE))
     assert 'Epoch 0 done' in stdout
     assert {name: (raw / name).read_bytes() for name in originals} == originals
     assert sorted(p.name for p in raw.iterdir()) == sorted(list(originals) + [n + '.gz' for n in originals])
@@ -284,8 +284,8 @@ def test_a_broken_gz_file_is_named(tmp_path):
 
 @pytest.mark.parametrize('inner', ['MNIST', 'MNIST/raw'])
 def test_data_dir_may_name_the_mnist_folder_itself(inner, mnist_dir, tmp_path):
-    _, stdout, _ = run(train_cmd('--data-dir', mnist_dir / inner, '--output-dir', tmp_path / 'out', '--epochs', '1',
-                                 *FAST), env=script_env(**OFFLINE))
+    _, stdout, _ = run_script(train_cmd('--data-dir', mnist_dir / inner, '--output-dir', tmp_path / 'out', '--epochs',
+                                        '1', *FAST), env=script_env(**OFFLINE))
     assert f'--data-dir {mnist_dir / inner} is the {inner} folder itself; reading the data from {mnist_dir}/MNIST/raw' \
         in stdout
     assert 'Epoch 0 done' in stdout

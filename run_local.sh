@@ -88,12 +88,12 @@ case "${1:-run}" in
 test)
     shift
     venv "${VENV:-.venv}" -r requirements-test.txt
-    exec "$PY" -m pytest -q -n auto --dist worksteal tests "$@"
+    exec "$PY" -m pytest -q -n auto --dist loadgroup tests "$@"
     ;;
 test-pai)
     shift
     venv "${VENV_PAI:-.venv-pai}" -r requirements-test.txt -c constraints-pai.txt
-    exec "$PY" -m pytest -q -n auto --dist worksteal tests "$@"
+    exec "$PY" -m pytest -q -n auto --dist loadgroup tests "$@"
     ;;
 bench)
     shift

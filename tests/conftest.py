@@ -386,6 +386,8 @@ def pytest_configure(config):
     config.addinivalue_line('markers', 'one_leg: a test whose code does not depend on the torch version (a slow one, '
                                        'or one that starts a script only to see it stop): run on the PAI image\'s '
                                        'torch 2.3 leg only, so each leg stays within minutes')
+    config.addinivalue_line('markers', 'slow: a test of tens of seconds (a torchrun job waiting out its timeouts or '
+                                       'restarting, a load test): started first')
     # The programs the tests start write their temporary files in a folder of the session's, removed at its end:
     # torchrun leaves a torchelastic_* folder each run, and a stopped Chromium its profile's. pytest's tmp_path
     # stays where it was, in the folder pytest keeps for its last 3 runs.
@@ -398,7 +400,15 @@ def pytest_unconfigure(config):
     shutil.rmtree(SESSION_TEMP, ignore_errors=True)
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own, which reads the groups
 def pytest_collection_modifyitems(config, items):
+    # pytest-xdist's --dist loadgroup hands out a test at a time, a group's tests together: the slow tests first,
+    # dealt out to the workers at the start while the short ones fill in around them (no worker ends the run with
+    # one alone), and the tests of a module-scoped fixture (a server, a browser) as one group, so it starts once.
+    items.sort(key=lambda item: 'slow' not in item.keywords)
+    for item in items:
+        if any(defs[-1].scope == 'module' for defs in item._fixtureinfo.name2fixturedefs.values()):
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
     import torch
     if torch.__version__ < '2.4' or os.environ.get('ALL_TESTS'):
         return

@@ -107,6 +107,7 @@ def test_two_nodes_with_local_disks_each_get_the_data(mirror, tmp_path):
         assert sorted(p.name for p in (disk / 'MNIST' / 'raw').iterdir()) == sorted(FILES)
 
 
+@pytest.mark.slow
 def test_a_download_slower_than_the_collective_timeout_is_no_lost_peer(mnist_dir, tmp_path):
     # The other ranks wait for rank 0's download through the store, not a collective: a 1 s collective timeout
     # does not end a download of several seconds (under NCCL, the watchdog's 10 minutes would not either).
@@ -140,6 +141,7 @@ def test_a_node_without_data_stops_every_rank_with_the_reason(mnist_dir, tmp_pat
     assert not (tmp_path / 'out' / 'checkpoint.pth').exists()
 
 
+@pytest.mark.slow
 def test_a_refused_resume_is_the_root_cause_in_torchruns_report(mnist_dir, tmp_path):
     out = tmp_path / 'out'
     run_script(dist_cmd('--data-dir', mnist_dir, '--output-dir', out, '--epochs', '1', *FAST))  # lr 0.1
@@ -174,6 +176,7 @@ def test_a_lost_peer_is_the_survivors_paragraph_in_torchruns_report(mnist_big_di
     assert outputs[0].count('lost rank 1') == 1 and not re.search(r'File ".*mnist_train_distributed\.py"', outputs[0])
 
 
+@pytest.mark.slow
 def test_a_killed_worker_is_restarted_and_resumes(mnist_big_dir, tmp_path):
     out = tmp_path / 'out'
     # DLC's static rendezvous (--standalone restarts hit a bug of torch 2.3's elastic agent).
@@ -216,6 +219,7 @@ def wait_in(readers, pattern, timeout=120):
 
 
 @pytest.mark.parametrize('rendezvous, victim', [('static', 0), ('c10d', 1), ('c10d', 0)])
+@pytest.mark.slow
 def test_two_nodes_restart_once_whichever_worker_dies(rendezvous, victim, mnist_big_dir, tmp_path):
     if rendezvous == 'c10d' and torch.__version__ < '2.4':
         pytest.skip("torch 2.3's elastic agent closes a c10d rendezvous on restart (pytorch/pytorch#123678)")
@@ -255,6 +259,7 @@ def test_two_nodes_restart_once_whichever_worker_dies(rendezvous, victim, mnist_
 
 
 @pytest.mark.parametrize('victim', [1, 0])
+@pytest.mark.slow
 def test_a_hung_peer_is_named_as_hung_and_the_job_ends_within_two_collective_timeouts(victim, mnist_big_dir,
                                                                                        tmp_path):
     # DLC's static form, two launchers, --max-restarts=1; one rank's process stopped (SIGSTOP) mid-epoch, as a
@@ -355,6 +360,7 @@ def test_one_gpu_is_told_by_its_uuid_or_where_torch_has_none_by_its_place_among_
     assert peers.gpu_name(torch.device('cpu')) == 'cpu'
 
 
+@pytest.mark.slow
 def test_a_rank_late_in_the_set_up_is_named_on_every_rank(tmp_path):
     # peers.on_ranks with a set-up timeout of 6 s (30 minutes in the script), rank 1 busy for 12 s: the others name
     # it once the timeout is up, and rank 1 itself once it is done, each in one paragraph (its gather fails within

@@ -176,7 +176,8 @@ def test_the_suite_runs_one_worker_more_than_the_cpus():
     import common
     import conftest
     assert conftest.pytest_xdist_auto_num_workers(None) == common.usable_cpus() + 1
-    assert (ROOT / 'run_local.sh').read_text().count('-m pytest -q -n auto --dist worksteal tests "$@"') == 2
+    command = '-m pytest -q -n auto --dist loadgroup tests "$@"'
+    assert (ROOT / 'run_local.sh').read_text().count(command) == 2
     assert "pytest-xdist's `-n auto` made one worker more than the CPUs" in ' '.join(
         (ROOT / 'docs' / 'testing.md').read_text().split())
 

@@ -38,6 +38,7 @@ def printed_validations(stdout):
 
 
 @pytest.mark.parametrize('launch', ['single', 'torchrun-2', 'torchrun-3'])
+@pytest.mark.slow
 def test_printed_validation_equals_the_documents_validation_of_the_saved_weights(launch, mnist_dir, tmp_path):
     out = tmp_path / 'out'
     args = ('--data-dir', mnist_dir, '--output-dir', out, '--epochs', '1', *FAST)

@@ -123,6 +123,7 @@ def test_divergence_in_the_first_epoch_saves_nothing(launch, mnist_dir, tmp_path
 # --- 3. Ctrl-C and SIGTERM --------------------------------------------------------------------------
 
 @pytest.mark.parametrize('signum, code, name', [(signal.SIGINT, 130, 'Ctrl-C'), (signal.SIGTERM, 143, 'SIGTERM')])
+@pytest.mark.slow
 def test_an_interrupt_ends_with_one_line_and_the_rerun_resumes(signum, code, name, mnist_big_dir, tmp_path):
     out = tmp_path / 'out'
     args = ('--data-dir', mnist_big_dir, '--output-dir', out, '--epochs', '3', '--log-interval', '20')
@@ -162,6 +163,7 @@ def test_a_no_resume_run_stopped_in_its_first_epoch_gives_advice_that_works(flag
     assert re.findall(r'^Epoch (\d) done', stdout, re.M) == ['0'] and (out / 'best_model.pth').exists()
 
 
+@pytest.mark.slow
 def test_sigterm_to_torchrun_stops_every_rank_and_the_rerun_resumes(mnist_big_dir, tmp_path):
     out = tmp_path / 'out'
     args = ('--data-dir', mnist_big_dir, '--output-dir', out, '--epochs', '3', '--log-interval', '20')
@@ -294,6 +296,7 @@ def test_data_dir_may_name_the_mnist_folder_itself(inner, mnist_dir, tmp_path):
 # --- 6. Two runs at once into one folder -----------------------------------------------------------
 
 @pytest.mark.skipif(common.fcntl is None, reason='no folder locks on Windows: two runs there are not told apart')
+@pytest.mark.slow
 def test_a_second_run_into_the_folder_of_a_running_one_stops_and_changes_nothing(mnist_big_dir, tmp_path):
     out = tmp_path / 'out'
     args = ('--data-dir', mnist_big_dir, '--output-dir', out, '--epochs', '2', '--log-interval', '20')

@@ -476,6 +476,7 @@ def test_eight_largest_images_at_once_stay_under_the_memory_bound(model_file):
 
 
 @pytest.mark.one_leg  # 2 GB through loopback
+@pytest.mark.slow
 def test_200_clients_sending_10_mb_each_stay_under_the_memory_bound(model_file):
     """Bodies wait for room in each worker's budget of body bytes, unread (uvicorn stops reading them). 2 GB take
     about 20 s on an idle 2-core machine: --timeout 120, so that a loaded one gets no 408 for its slowness."""
@@ -540,6 +541,7 @@ def test_a_request_of_several_images_past_its_deadline_frees_the_thread_at_its_n
 
 
 @pytest.mark.one_leg
+@pytest.mark.slow
 def test_past_256_requests_waiting_for_the_prediction_thread_a_request_gets_503_at_once(model_file):
     """Two requests of 16 of the largest images keep the one thread busy for seconds (0.2 s an image); meanwhile
     300 requests that need the thread (29x29: too large to be read on the event loop) arrive, in well under one.
@@ -893,6 +895,7 @@ def test_a_stopped_worker_is_killed_and_replaced_while_the_other_answers(model_f
 
 
 @pytest.mark.skipif(sys.platform != 'linux', reason='reads the worker processes from /proc')
+@pytest.mark.slow
 def test_a_worker_whose_prediction_thread_is_stuck_is_replaced_and_one_merely_slow_is_not(model_file):
     """A prediction thread still on a request --worker-timeout seconds after its deadline is stuck; the worker's
     event loop turns on (its heartbeat too), so the worker stops itself, gracefully, and Gunicorn starts another.

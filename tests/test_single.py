@@ -62,6 +62,7 @@ def test_a_finished_run_says_so_and_changes_nothing(mnist_dir, tmp_path):
     assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
 
 
+@pytest.mark.slow
 def test_resume_after_a_kill_mid_epoch_matches_an_uninterrupted_run(mnist_big_dir, tmp_path):
     args = ('--data-dir', mnist_big_dir, '--epochs', '3', '--log-interval', '20')
     run_main('mnist_train', *args, '--output-dir', tmp_path / 'straight')  # the reference, in this process

@@ -110,6 +110,7 @@ def test_a_rank_that_cannot_connect_says_so_and_the_others_stop_at_once_naming_i
     assert "This host's name" not in ''.join(outputs), 'a GLOO_SOCKET_IFNAME set is never overridden'
 
 
+@pytest.mark.slow
 def test_a_hung_peer_is_named_with_its_host_across_two_hosts(hosts, mnist_big_dir, tmp_path):
     nodes = job(hosts, 'nothing', '--data-dir', mnist_big_dir, '--output-dir', tmp_path / 'out', '--epochs', '2',
                 '--log-interval', '20', '--collective-timeout', '8')

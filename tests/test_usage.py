@@ -58,6 +58,7 @@ def test_serve_py_without_a_package_it_needs_says_what_to_install(package, tmp_p
 
 
 @pytest.mark.one_leg
+@pytest.mark.slow
 def test_run_local_gives_each_script_only_the_flags_it_takes(mnist_dir, tmp_path):
     venv = Path(sys.executable).parent.parent
     if not list(venv.glob('.installed-*')):
@@ -83,6 +84,7 @@ def left_in(temporary_folder):
 
 
 @pytest.mark.one_leg
+@pytest.mark.slow
 def test_the_benchmarks_run_print_their_figures_and_leave_no_temporary_files(mnist_dir, tmp_path):
     # Speed is not asserted here (that belongs to the benchmarks themselves): only that they still run.
     scratch, gzipped = tmp_path / 'tmp', tmp_path / 'gz' / 'MNIST' / 'raw'
@@ -275,6 +277,7 @@ def test_run_local_in_git_bash_says_how_to_run_on_windows_and_makes_nothing(comm
 
 
 @pytest.mark.one_leg
+@pytest.mark.slow
 def test_gpu_check_runs_every_check_on_the_cpu_and_fails_for_a_failed_one(mnist_big_dir, tmp_path):
     # CI has no GPU: the same command on the CPU checks its own logic, one epoch a run. A bar no run reaches (101%)
     # makes the single script's check fail, and so the command; every other check still runs and passes.

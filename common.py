@@ -137,19 +137,6 @@ MNIST_FILES = {  # file in <data-dir>/MNIST/raw: (IDX magic number, shape of one
 }
 
 
-def mnist_root(path):
-    """argparse type of --data-dir: the folder that holds MNIST/raw, also when given MNIST or MNIST/raw itself."""
-    folder = os.path.normpath(path)
-    if os.path.isdir(os.path.join(folder, 'MNIST', 'raw')):
-        return path
-    for inner in ('MNIST', os.path.join('MNIST', 'raw')):
-        if folder.endswith(os.sep + inner) or folder == inner:
-            root = folder[:-len(inner)].rstrip(os.sep) or '.'
-            print(f'--data-dir {path} is the {inner} folder itself; reading the data from {root}/MNIST/raw')
-            return root
-    return path
-
-
 def _laptop_hint(path):
     if (os.path.abspath(path) + '/').startswith('/mnt/data/'):  # the mount or a folder in it, not /mnt/data2
         return (' /mnt/data is the dataset mount of a DLC job; on another machine pass --data-dir '

@@ -44,7 +44,7 @@ def parse_args():
     parser.add_argument('--lr', type=common.positive(float), default=0.01, help='SGD learning rate (default: 0.01)')
     parser.add_argument('--epochs', type=common.positive(int), default=20,
                         help='total epochs, counting those done before a restart (default: 20)')
-    parser.add_argument('--data-dir', default='/mnt/data/dataSet', type=common.mnist_root,
+    parser.add_argument('--data-dir', default='/mnt/data/dataSet',
                         help='torchvision root: the files live in <data-dir>/MNIST/raw (default: /mnt/data/dataSet)')
     parser.add_argument('--output-dir', default='/mnt/data/output',
                         help='best_model.pth, checkpoint.pth and runs/ go here (default: %(default)s)')

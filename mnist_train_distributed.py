@@ -51,7 +51,7 @@ def parse_args():
     parser.add_argument('--lr', type=common.positive(float), default=0.01, help='SGD learning rate (default: 0.01)')
     parser.add_argument('--epochs', type=common.positive(int), default=20,
                         help='total epochs, counting those done before a restart (default: 20)')
-    parser.add_argument('--data-dir', default='/mnt/data/dataSet', type=common.mnist_root,
+    parser.add_argument('--data-dir', default='/mnt/data/dataSet',
                         help='torchvision root: the files live in <data-dir>/MNIST/raw (default: /mnt/data/dataSet)')
     parser.add_argument('--output-dir', default='/mnt/data/output_distributed',
                         help='best_model.pth, checkpoint.pth and runs/ go here (default: %(default)s)')
@@ -89,7 +89,7 @@ def ddp_setup(args):
         device = torch.device('cuda', local_rank)
     else:
         device = torch.device('cpu')
-    store = peers.join(rank, world_size, device, args) if launched else dist.HashStore()
+    store = peers.join(rank, world_size, args) if launched else dist.HashStore()
     # Training's collectives wait --collective-timeout for a peer, on gloo and NCCL alike (their own defaults:
     # 30 and 10 minutes); the set-up's waits (rank 0's download) take longer: peers.on_ranks
     with peers.connecting(rank, world_size):  # a rank that cannot be reached: named, with its host

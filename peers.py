@@ -42,12 +42,6 @@ def check_environment():
     node (no LOCAL_RANK) gets LOCAL_RANK 0, and a script started without one runs as a world of one."""
     env_names = ('RANK', 'WORLD_SIZE', 'LOCAL_RANK', 'MASTER_ADDR', 'MASTER_PORT')
     missing = [name for name in env_names if name not in os.environ]
-    if 'RANK' not in os.environ and int(os.environ.get('SLURM_NTASKS') or 1) > 1:
-        raise SetupError(
-            f'started by SLURM as {os.environ["SLURM_NTASKS"]} tasks without torchrun: each would train alone, and '
-            f'all would write one output folder. Start one torchrun per node inside srun instead: srun '
-            f'--ntasks-per-node=1 torchrun --nnodes=$SLURM_NNODES --nproc_per_node=<GPUs per node> '
-            f'--rdzv_backend=c10d --rdzv_endpoint=<first node>:29500 mnist_train_distributed.py')
     if not any(name in os.environ for name in env_names[:3]):  # MASTER_* alone may be left from elsewhere
         print('Not started by torchrun (no RANK, WORLD_SIZE, LOCAL_RANK): running as a world of one process.')
         os.environ.update(RANK='0', WORLD_SIZE='1', LOCAL_RANK='0')
@@ -77,9 +71,9 @@ def check_backend(args, local_rank):
     return backend
 
 
-def join(rank, world_size, device, args):
-    """Meet the other ranks at MASTER_ADDR:MASTER_PORT, saying so; return the job's store, once every rank is there
-    and no two share a GPU. Quietly: TCPStore's own retries log C++ stack dumps."""
+def join(rank, world_size, args):
+    """Meet the other ranks at MASTER_ADDR:MASTER_PORT, saying so; return the job's store, once every rank is there.
+    Quietly: TCPStore's own retries log C++ stack dumps."""
     global _job_store, _agent_store
     host, port, timeout = os.environ['MASTER_ADDR'], int(os.environ['MASTER_PORT']), args.join_timeout
     address, deadline = f'{host}:{port}', time.monotonic() + timeout
@@ -112,7 +106,7 @@ def join(rank, world_size, device, args):
     keys = [f'joined/{r}' for r in range(world_size)]
     absent = [0]  # where rank 0 started no store for this attempt
     if store is not None:
-        store.set(keys[rank], f'{socket.gethostname()} {gpu_name(device)}')
+        store.set(keys[rank], socket.gethostname())
         while not store.check(keys) and time.monotonic() < deadline:  # polled: store.wait's timeout logs C++ lines
             time.sleep(0.1)
         absent = [r for r, key in enumerate(keys) if not store.check([key])]
@@ -123,9 +117,6 @@ def join(rank, world_size, device, args):
                   '--join-timeout sets the wait.')
         raise SetupError(f'rank{"s" if len(absent) > 1 else ""} {", ".join(map(str, absent))} of '
                          f'{world_size} did not join the job at {address} within {timeout:.0f}s. {reason}')
-    shared = device.type == 'cuda' and shared_gpus([store.get(key).decode() for key in keys])
-    if shared:
-        raise SetupError(shared)
     # From here on every rank has come: making the process group waits as long as a step would (the set-up's waits
     # for work, rank 0's download, go through a group of their own: on_ranks)
     store.set_timeout(timedelta(seconds=args.collective_timeout))
@@ -218,30 +209,7 @@ def connecting(rank, world_size):
 
 def host_of(rank):
     """The host rank `rank` joined from, as it said on the job's store."""
-    return _job_store.get(f'joined/{rank}').decode().split()[0]
-
-
-def gpu_name(device):
-    """What tells this process's GPU from the others of its host: its uuid. torch 2.3 has none: there, the index
-    among the visible GPUs (NCCL 2.20 names the ranks on one GPU itself, at the first collective)."""
-    if device.type != 'cuda':
-        return 'cpu'
-    uuid = getattr(torch.cuda.get_device_properties(device), 'uuid', None)
-    visible = os.environ.get('CUDA_VISIBLE_DEVICES', 'all')
-    return str(uuid) if uuid else f'cuda:{device.index} of CUDA_VISIBLE_DEVICES={visible}'
-
-
-def shared_gpus(placements):
-    """Given each rank's 'host gpu', say which ranks share a GPU (None if none do): one process per GPU."""
-    ranks_on = {}
-    for rank, placement in enumerate(placements):
-        ranks_on.setdefault(placement, []).append(rank)
-    shared = [(placement.split()[0], ranks) for placement, ranks in ranks_on.items() if len(ranks) > 1]
-    if not shared:
-        return None
-    where = '; '.join(f'ranks {", ".join(map(str, ranks))} on one GPU of {host}' for host, ranks in shared)
-    return (f'two processes landed on the same GPU ({where}). Start one process per GPU: --nproc_per_node at '
-            f'most the GPUs of each node, and each node of the job on a host of its own.')
+    return _job_store.get(f'joined/{rank}').decode()
 
 
 def attempt_store(agent_store, rank, world_size, timeout):

@@ -1,6 +1,6 @@
 """The best model in TensorBoard, beside the document's three curves: at the end of a run, global rank 0 writes
 its mistakes, its confusions, its precision and recall per digit, its graph, and the run's hyperparameters
-beside its result. Once per finished run: a restart writes nothing twice. Pillow draws the pictures.
+beside its result. Once per finished run: a restart writes nothing twice. Pillow draws the mistakes.
 """
 import math
 import os
@@ -12,9 +12,9 @@ from common import TRAINING_FLAGS, SimpleCNN
 
 
 def best_model(writer, args, best_model_path, val_loader, best_val_accuracy, best_epoch, processes):
-    """Write TensorBoard's IMAGES (the validation digits the best model gets wrong, its confusion matrix),
-    PR CURVES (one per digit), GRAPHS, HPARAMS (the training flags and processes beside the best accuracy
-    and epoch) and TEXT (the matrix in numbers) for best_model.pth, at step --epochs. Every validation image
+    """Write TensorBoard's IMAGES (the validation digits the best model gets wrong), TEXT (its confusion matrix),
+    PR CURVES (one per digit), GRAPHS and HPARAMS (the training flags and processes beside the best accuracy
+    and epoch) for best_model.pth, at step --epochs. Every validation image
     counts once: val_loader holds all of them, whatever share of them its sampler gives this process."""
     if not os.path.exists(best_model_path):  # no epoch was better than 0%
         return
@@ -33,8 +33,6 @@ def best_model(writer, args, best_model_path, val_loader, best_val_accuracy, bes
     images = val_loader.images[wrong.to(val_loader.images.device)].cpu()
     writer.add_image('Best model/mistakes (true > read as), the surest first',
                      _mistakes_picture(images, labels[wrong], read[wrong]), step, dataformats='HWC')
-    writer.add_image('Best model/confusion matrix (rows: true, columns: read as)', _matrix_picture(matrix), step,
-                     dataformats='HWC')
     table = '\n'.join(f'| **{t}** | ' + ' | '.join(str(int(n)) for n in row) + ' |' for t, row in enumerate(matrix))
     writer.add_text('Best model/confusion matrix', f'{int(matrix.trace())} of {int(matrix.sum())} read right, '
                     f'{int(matrix.sum() - matrix.trace())} mistakes ({len(wrong)} shown).\n\n| true \\ read | ' +
@@ -70,24 +68,4 @@ def _mistakes_picture(images, labels, read):
         digit = Image.frombytes('L', (28, 28), bytes(pixels.flatten().tolist())).resize((56, 56), Image.NEAREST)
         picture.paste(digit, (x + 4, y + 2))
         draw.text((x + 14, y + 60), f'{true} > {seen}', fill=(170, 0, 0), font=font)
-    return torch.frombuffer(bytearray(picture.tobytes()), dtype=torch.uint8).view(picture.height, picture.width, 3)
-
-
-def _matrix_picture(matrix):
-    """A 10x10 confusion matrix as a picture: counts in cells, the diagonal green, confusions red."""
-    from PIL import Image, ImageDraw
-    size, margin, font = 44, 30, _font(15)
-    picture = Image.new('RGB', (margin + 10 * size + 2, margin + 10 * size + 2), 'white')
-    draw = ImageDraw.Draw(picture)
-    largest = max(1, int((matrix - torch.diag(matrix.diag())).max()))
-    for t in range(10):
-        draw.text((10, margin + t * size + 13), str(t), fill='black', font=font)  # true digits down the left
-        draw.text((margin + t * size + 18, 8), str(t), fill='black', font=font)  # read as, along the top
-        for r in range(10):
-            count, box = int(matrix[t, r]), (margin + r * size, margin + t * size,
-                                              margin + (r + 1) * size, margin + (t + 1) * size)
-            shade = 1 - min(1.0, count / largest) * 0.8 if t != r else 0.55
-            colour = (int(255 * shade), 200, int(255 * shade)) if t == r else (255, int(255 * shade), int(255 * shade))
-            draw.rectangle(box, fill=colour if count else 'white', outline=(200, 200, 200))
-            draw.text((box[0] + 5, box[1] + 13), str(count), fill='black', font=font)
     return torch.frombuffer(bytearray(picture.tobytes()), dtype=torch.uint8).view(picture.height, picture.width, 3)

@@ -174,8 +174,8 @@ def check_review(out):
     accumulator = EventAccumulator(str(out / 'runs' / 'mnist_experiment'), size_guidance={'images': 0, 'tensors': 0})
     accumulator.Reload()
     tags = accumulator.Tags()
-    wanted = ['Best model/mistakes', 'Best model/confusion matrix']
-    found = [tag for tag in wanted if any(image.startswith(tag) for image in tags['images'])]
+    wanted = ['Best model/mistakes', 'Best model/confusion matrix']  # an image, a text
+    found = [tag for tag in wanted if any(name.startswith(tag) for name in tags['images'] + tags['tensors'])]
     curves = [tag for tag in tags['tensors'] if tag.startswith('Best model/digit ')]
     ok = found == wanted and len(curves) == 10 and tags['graph']
     report('review', 'ok' if ok else 'FAILED', f'images {found}, {len(curves)} PR curves, graph {tags["graph"]}')

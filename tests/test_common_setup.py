@@ -135,44 +135,6 @@ def test_torch_threads_are_capped_at_the_usable_cpus(omp, cpus, expected, line, 
     assert capsys.readouterr().out == line
 
 
-# --- --data-dir ---------------------------------------------------------------------------------
-
-def test_mnist_root_takes_the_folder_that_holds_mnist_raw(tmp_path, capsys):
-    (tmp_path / 'MNIST' / 'raw').mkdir(parents=True)
-    assert common.mnist_root(str(tmp_path)) == str(tmp_path)
-    assert common.mnist_root(str(tmp_path / 'elsewhere')) == str(tmp_path / 'elsewhere')  # downloaded there
-    assert capsys.readouterr().out == ''
-
-
-@pytest.mark.parametrize('given, inner', [('MNIST', 'MNIST'), ('MNIST/', 'MNIST'), ('MNIST/raw', 'MNIST/raw')])
-def test_mnist_root_takes_mnist_or_mnist_raw_itself(given, inner, tmp_path, capsys):
-    assert common.mnist_root(f'{tmp_path}/{given}') == str(tmp_path)
-    assert capsys.readouterr().out == (f'--data-dir {tmp_path}/{given} is the {inner} folder itself; reading the data '
-                                       f'from {tmp_path}/MNIST/raw\n')
-
-
-@pytest.mark.parametrize('given, inner', [('MNIST', 'MNIST'), ('MNIST/raw', 'MNIST/raw')])
-def test_mnist_root_of_a_relative_mnist_folder_is_here(given, inner, capsys):
-    assert common.mnist_root(given) == '.'
-    assert capsys.readouterr().out == \
-        f'--data-dir {given} is the {inner} folder itself; reading the data from ./MNIST/raw\n'
-
-
-def test_mnist_root_takes_a_root_named_mnist_that_holds_mnist_raw(tmp_path, capsys):
-    (tmp_path / 'MNIST' / 'MNIST' / 'raw').mkdir(parents=True)
-    assert common.mnist_root(str(tmp_path / 'MNIST')) == str(tmp_path / 'MNIST')
-    assert capsys.readouterr().out == ''
-
-
-def test_mnist_root_is_marked_by_mnist_raw_not_mnist(tmp_path):
-    (tmp_path / 'MNIST' / 'MNIST').mkdir(parents=True)  # a folder MNIST with an empty MNIST inside
-    assert common.mnist_root(str(tmp_path / 'MNIST')) == str(tmp_path)
-
-
-def test_mnist_root_leaves_a_folder_merely_ending_in_mnist(tmp_path):
-    assert common.mnist_root(f'{tmp_path}/myMNIST') == f'{tmp_path}/myMNIST'
-
-
 def test_laptop_hint_only_for_the_dlc_mount():
     assert common._laptop_hint('/mnt/data/mnist') == (
         ' /mnt/data is the dataset mount of a DLC job; on another machine pass --data-dir and --output-dir (for '

@@ -284,15 +284,6 @@ def test_a_broken_gz_file_is_named(tmp_path):
         ['t10k-labels-idx1-ubyte.gz'], 'no partial file left'
 
 
-@pytest.mark.parametrize('inner', ['MNIST', 'MNIST/raw'])
-def test_data_dir_may_name_the_mnist_folder_itself(inner, mnist_dir, tmp_path):
-    _, stdout, _ = run_script(train_cmd('--data-dir', mnist_dir / inner, '--output-dir', tmp_path / 'out', '--epochs',
-                                        '1', *FAST), env=script_env(**OFFLINE))
-    assert f'--data-dir {mnist_dir / inner} is the {inner} folder itself; reading the data from {mnist_dir}/MNIST/raw' \
-        in stdout
-    assert 'Epoch 0 done' in stdout
-
-
 # --- 6. Two runs at once into one folder -----------------------------------------------------------
 
 @pytest.mark.skipif(common.fcntl is None, reason='no folder locks on Windows: two runs there are not told apart')

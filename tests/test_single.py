@@ -105,8 +105,7 @@ def test_no_resume_starts_over_and_keeps_the_earlier_best_model(mnist_dir, tmp_p
 def check_review(out, best_correct, total, step):
     """TensorBoard's other tabs for the best model: every validation image counted once, as printed."""
     review = read_review(out / 'runs' / 'mnist_experiment')
-    assert sorted(review['images']) == ['Best model/confusion matrix (rows: true, columns: read as)',
-                                        'Best model/mistakes (true > read as), the surest first']
+    assert sorted(review['images']) == ['Best model/mistakes (true > read as), the surest first']
     assert all(steps == [step] for steps in review['images'].values()), review['images']
     assert review['pr_curves'] == [f'Best model/digit {d}' for d in range(10)]
     assert review['graph'] and review['hparams']
@@ -149,7 +148,6 @@ def test_a_real_tensorboard_shows_the_new_tabs(mnist_dir, tmp_path):
         assert all(listing[name]['enabled'] for name in ('scalars', 'images', 'pr_curves', 'graphs', 'hparams',
                                                           'text')), listing
         assert sorted(get('/data/plugin/images/tags')['mnist_experiment']) == [
-            'Best model/confusion matrix (rows: true, columns: read as)',
             'Best model/mistakes (true > read as), the surest first']
         assert sorted(get('/data/plugin/pr_curves/tags')['mnist_experiment']) == \
             [f'Best model/digit {d}' for d in range(10)]

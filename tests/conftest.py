@@ -383,9 +383,10 @@ def pytest_xdist_auto_num_workers(config):
 
 
 def pytest_configure(config):
-    config.addinivalue_line('markers', 'one_leg: a test whose code does not depend on the torch version (a slow one, '
-                                       'or one that starts a script only to see it stop): run on the PAI image\'s '
-                                       'torch 2.3 leg only, so each leg stays within minutes')
+    config.addinivalue_line('markers', 'one_leg(leg="pai"): a test that starts processes whose behaviour does not '
+                                       'depend on the torch version: run in one leg only, "pai" (torch 2.3, the '
+                                       'image DLC trains and EAS serves on) or "newest", so each leg stays within '
+                                       'minutes')
     config.addinivalue_line('markers', 'slow: a test of tens of seconds (a torchrun job waiting out its timeouts or '
                                        'restarting, a load test): started first')
     # The programs the tests start write their temporary files in a folder of the session's, removed at its end:
@@ -410,9 +411,11 @@ def pytest_collection_modifyitems(config, items):
         if any(defs[-1].scope == 'module' for defs in item._fixtureinfo.name2fixturedefs.values()):
             item.add_marker(pytest.mark.xdist_group(item.module.__name__))
     import torch
-    if torch.__version__ < '2.4' or os.environ.get('ALL_TESTS'):
+    leg, other = ('pai', 'test') if torch.__version__ < '2.4' else ('newest', 'test-pai')
+    if os.environ.get('ALL_TESTS'):
         return
-    skip = pytest.mark.skip(reason='torch-independent: run by ./run_local.sh test-pai (or ALL_TESTS=1)')
+    skip = pytest.mark.skip(reason=f'torch-independent: run by ./run_local.sh {other} (or ALL_TESTS=1)')
     for item in items:
-        if 'one_leg' in item.keywords:
+        marker = item.get_closest_marker('one_leg')
+        if marker and (marker.args or ('pai',))[0] != leg:
             item.add_marker(skip)

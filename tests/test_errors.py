@@ -73,7 +73,7 @@ def test_a_data_folder_not_named_in_utf8_is_read(script, mnist_dir, tmp_path):
     assert stdout.rstrip().endswith('Training complete. writer.close()'), stdout
 
 
-@pytest.mark.one_leg  # torch-independent: a start-up error of our own
+@pytest.mark.one_leg('newest')  # torch-independent: a start-up error of our own
 def test_default_dlc_paths_on_a_laptop_name_the_flags():
     # A laptop user without root: creating /mnt/data fails. Simulated, so /mnt/data is never made.
     laptop = ("import errno, os, runpy, sys\n"
@@ -143,6 +143,7 @@ def test_half_set_distributed_environment(tmp_path):
           env=script_env(RANK='0', WORLD_SIZE='2', LOCAL_RANK='0'))
 
 
+@pytest.mark.one_leg('newest')  # Python's and ours
 @skip_on_windows_pipes
 @pytest.mark.parametrize('script', [train_cmd, dist_cmd])
 def test_output_into_a_closed_pipe_ends_quietly(script, mnist_dir, tmp_path):

@@ -19,7 +19,7 @@ from PIL import Image, ImageDraw
 import common
 from conftest import ROOT, free_port, run, serving
 
-pytestmark = pytest.mark.one_leg  # a browser and a model trained here: about 40 s, the same on either torch
+pytestmark = pytest.mark.one_leg('newest')  # a browser and a model trained here: about 40 s, the same on either torch
 webdriver = pytest.importorskip('selenium.webdriver', reason='selenium is not installed (requirements-test.txt)')
 CHROMIUM = next((path for path in map(shutil.which, ('chromium', 'chromium-browser', 'google-chrome')) if path), None)
 DRIVER = shutil.which('chromedriver')

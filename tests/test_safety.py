@@ -122,6 +122,7 @@ def test_divergence_in_the_first_epoch_saves_nothing(launch, mnist_dir, tmp_path
 
 # --- 3. Ctrl-C and SIGTERM --------------------------------------------------------------------------
 
+@pytest.mark.one_leg('newest')  # the stop's handler and line are ours; test_single resumes in both legs
 @pytest.mark.parametrize('signum, code, name', [(signal.SIGINT, 130, 'Ctrl-C'), (signal.SIGTERM, 143, 'SIGTERM')])
 @pytest.mark.slow
 def test_an_interrupt_ends_with_one_line_and_the_rerun_resumes(signum, code, name, mnist_big_dir, tmp_path):
@@ -140,6 +141,7 @@ def test_an_interrupt_ends_with_one_line_and_the_rerun_resumes(signum, code, nam
     assert stdout.startswith('Resuming from epoch 1 ') and re.findall(r'^Epoch (\d) done', stdout, re.M) == ['1', '2']
 
 
+@pytest.mark.one_leg('newest')  # the stop's advice and the refusal are ours
 @pytest.mark.parametrize('flags', [(), ('--lr', '0.05')], ids=['same flags', 'changed lr'])
 def test_a_no_resume_run_stopped_in_its_first_epoch_gives_advice_that_works(flags, mnist_dir, mnist_big_dir, tmp_path):
     out = tmp_path / 'out'
@@ -198,6 +200,7 @@ def test_sigterm_to_every_rank_exits_143(mnist_big_dir, tmp_path):
     assert sorted(p.name for p in out.iterdir()) == ['best_model.pth', 'checkpoint.pth', 'runs']
 
 
+@pytest.mark.one_leg('newest')  # our download's staging folder and the stop's clean-up
 @pytest.mark.parametrize('signum, code, name', [(signal.SIGTERM, 143, 'SIGTERM'),
                                                pytest.param(SIGHUP, 129, 'SIGHUP', marks=skip_without_sighup)])
 def test_a_stop_during_the_first_download_leaves_nothing_behind(signum, code, name, mnist_big_dir, tmp_path):
@@ -271,6 +274,7 @@ def test_the_gz_files_alone_are_used_offline(script, tmp_path):
     assert sorted(p.name for p in raw.iterdir()) == sorted(list(originals) + [n + '.gz' for n in originals])
 
 
+@pytest.mark.one_leg('newest')  # gzip and our extraction
 def test_a_broken_gz_file_is_named(tmp_path):
     root = make_mnist(tmp_path / 'data', 64, 32)
     labels = root / 'MNIST' / 'raw' / 't10k-labels-idx1-ubyte'
@@ -287,6 +291,7 @@ def test_a_broken_gz_file_is_named(tmp_path):
 # --- 6. Two runs at once into one folder -----------------------------------------------------------
 
 @pytest.mark.skipif(common.fcntl is None, reason='no folder locks on Windows: two runs there are not told apart')
+@pytest.mark.one_leg('newest')  # the folder's lock is ours
 @pytest.mark.slow
 def test_a_second_run_into_the_folder_of_a_running_one_stops_and_changes_nothing(mnist_big_dir, tmp_path):
     out = tmp_path / 'out'

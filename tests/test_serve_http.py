@@ -25,6 +25,10 @@ import common
 import framing
 from conftest import ROOT, SIGHUP, free_port, run, script_env, serving, skip_without_sighup, start
 
+# serve.py over real sockets, as EAS runs it from the training image: PAI's torch 2.3 (test_serve.py, in-process,
+# runs in both legs)
+pytestmark = pytest.mark.one_leg
+
 SERVE = ROOT / 'serve.py'
 
 
@@ -462,7 +466,6 @@ class Peak:
         self.peak = max(self.samples)
 
 
-@pytest.mark.one_leg
 def test_eight_largest_images_at_once_stay_under_the_memory_bound(model_file):
     # A few seconds on an idle 2-core machine; --deadline 120, so that a loaded one gets no 503 for its slowness
     proc, reader, port = serve(model_file, '--deadline', '120')
@@ -475,7 +478,6 @@ def test_eight_largest_images_at_once_stay_under_the_memory_bound(model_file):
     assert memory.peak < 1.5 * 2**30, f'peak PSS {memory.peak / 2**20:.0f} MiB'
 
 
-@pytest.mark.one_leg  # 2 GB through loopback
 @pytest.mark.slow
 def test_200_clients_sending_10_mb_each_stay_under_the_memory_bound(model_file):
     """Bodies wait for room in each worker's budget of body bytes, unread (uvicorn stops reading them). 2 GB take
@@ -508,7 +510,6 @@ def largest_png():
     return buffer.getvalue()
 
 
-@pytest.mark.one_leg
 def test_past_the_deadline_a_request_gets_503_or_504_and_its_work_is_dropped(model_file):
     proc, reader, port = serve(model_file, '--workers', '1', '--deadline', '0.05')
     big, statuses = largest_png(), []
@@ -527,7 +528,6 @@ def test_past_the_deadline_a_request_gets_503_or_504_and_its_work_is_dropped(mod
     assert len(re.findall(r'POST /predict 504 ', reader.rest())) >= 1
 
 
-@pytest.mark.one_leg
 def test_a_request_of_several_images_past_its_deadline_frees_the_thread_at_its_next_image(model_file):
     """16 of the largest images (0.2 s each) take the one prediction thread for some 3 s; past the 1 s deadline the
     request gets 504 and its work stops at the next image, so a request after it that needs the thread is answered
@@ -540,7 +540,6 @@ def test_a_request_of_several_images_past_its_deadline_frees_the_thread_at_its_n
     assert post_refusable(port, png(3, size=29))[0] == 200  # 29x29: too large to be read on the event loop
 
 
-@pytest.mark.one_leg
 @pytest.mark.slow
 def test_past_256_requests_waiting_for_the_prediction_thread_a_request_gets_503_at_once(model_file):
     """Two requests of 16 of the largest images keep the one thread busy for seconds (0.2 s an image); meanwhile
@@ -574,7 +573,6 @@ def test_past_256_requests_waiting_for_the_prediction_thread_a_request_gets_503_
     assert post(port, small) == (200, served[0][2])  # the bound counts requests waiting now, not all so far
 
 
-@pytest.mark.one_leg
 def test_a_client_that_goes_away_costs_no_more_work(model_file):
     proc, reader, port = serve(model_file, '--workers', '1')
     big = largest_png()
@@ -1089,7 +1087,6 @@ def test_uvicorn_is_set_up_alike_under_gunicorn_and_alone(model_file, as_on_wind
     assert as_on_windows or re.search(r'^Stopping on SIGTERM: .* within 1s\.$', rest, re.M), rest
 
 
-@pytest.mark.one_leg
 def test_without_its_page_the_service_says_so_at_the_root_and_serves_on(model_file, tmp_path):
     for name in ('serve.py', 'asgi.py', 'framing.py', 'common.py'):  # uploaded without page/
         shutil.copy(ROOT / name, tmp_path / name)

@@ -165,7 +165,7 @@ QUOTA_RUN = ('import atexit, common, runpy, sys, torch; print("torch threads at 
              'runpy.run_path(sys.argv[0], run_name="__main__")')
 
 
-@pytest.mark.one_leg  # the scripts' call; the thread logic's unit tests run in both legs
+@pytest.mark.one_leg('newest')  # the scripts' call; the thread logic's unit tests run in both legs
 @pytest.mark.parametrize('script', ['mnist_train.py', 'mnist_train_distributed.py'])
 def test_in_a_container_with_a_cpu_quota_torch_runs_as_many_threads_as_it_has_cpus(script, mnist_dir, tmp_path):
     (tmp_path / 'cgroup').mkdir()

@@ -43,7 +43,7 @@ def test_a_script_uploaded_without_a_module_it_imports_says_so_in_one_line(scrip
                      f'folder of the dataset as the script).\n'
 
 
-@pytest.mark.one_leg  # the same in both legs
+@pytest.mark.one_leg  # the import's error, the same on either torch
 @pytest.mark.parametrize('package', ['torch', 'uvicorn', 'gunicorn', 'uvicorn_worker'])
 def test_serve_py_without_a_package_it_needs_says_what_to_install(package, tmp_path):
     """As on an image without the serving packages (the EAS run command's pip install left out)."""
@@ -57,7 +57,7 @@ def test_serve_py_without_a_package_it_needs_says_what_to_install(package, tmp_p
                      f'(./run_local.sh serve installs it).\n'
 
 
-@pytest.mark.one_leg
+@pytest.mark.one_leg('newest')
 @pytest.mark.slow
 def test_run_local_gives_each_script_only_the_flags_it_takes(mnist_dir, tmp_path):
     venv = Path(sys.executable).parent.parent

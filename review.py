@@ -14,8 +14,8 @@ from common import TRAINING_FLAGS, SimpleCNN
 def best_model(writer, args, best_model_path, val_loader, best_val_accuracy, best_epoch, processes):
     """Write TensorBoard's IMAGES (the validation digits the best model gets wrong), TEXT (its confusion matrix),
     PR CURVES (one per digit), GRAPHS and HPARAMS (the training flags and processes beside the best accuracy
-    and epoch) for best_model.pth, at step --epochs. Every validation image
-    counts once: val_loader holds all of them, whatever share of them its sampler gives this process."""
+    and epoch) for best_model.pth, at step --epochs. Every validation image counts once: val_loader holds all
+    of them, whatever share of them its sampler gives this process."""
     if not os.path.exists(best_model_path):  # no epoch was better than 0%
         return
     step = args.epochs

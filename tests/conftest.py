@@ -383,10 +383,10 @@ def pytest_xdist_auto_num_workers(config):
 
 
 def pytest_configure(config):
-    config.addinivalue_line('markers', 'one_leg(leg="pai"): a test that starts processes whose behaviour does not '
-                                       'depend on the torch version: run in one leg only, "pai" (torch 2.3, the '
-                                       'image DLC trains and EAS serves on) or "newest", so each leg stays within '
-                                       'minutes')
+    config.addinivalue_line('markers', 'one_leg: a test that starts processes whose behaviour does not depend on '
+                                       'the torch version: run in the PAI leg only (torch 2.3, the image DLC trains '
+                                       'and EAS serves on), or with one_leg("newest") in the newest torch\'s, so '
+                                       'each leg stays within minutes')
     config.addinivalue_line('markers', 'slow: a test of tens of seconds (a torchrun job waiting out its timeouts or '
                                        'restarting, a load test): started first')
     # The programs the tests start write their temporary files in a folder of the session's, removed at its end:

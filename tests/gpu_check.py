@@ -178,7 +178,7 @@ def check_review(out):
     found = [tag for tag in wanted if any(name.startswith(tag) for name in tags['images'] + tags['tensors'])]
     curves = [tag for tag in tags['tensors'] if tag.startswith('Best model/digit ')]
     ok = found == wanted and len(curves) == 10 and tags['graph']
-    report('review', 'ok' if ok else 'FAILED', f'images {found}, {len(curves)} PR curves, graph {tags["graph"]}')
+    report('review', 'ok' if ok else 'FAILED', f'tags {found}, {len(curves)} PR curves, graph {tags["graph"]}')
 
 
 def free_port():

@@ -403,9 +403,9 @@ def pytest_unconfigure(config):
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own, which reads the groups
 def pytest_collection_modifyitems(config, items):
-    # pytest-xdist's --dist loadgroup hands out a test at a time, a group's tests together: the slow tests first,
-    # dealt out to the workers at the start while the short ones fill in around them (no worker ends the run with
-    # one alone), and the tests of a module-scoped fixture (a server, a browser) as one group, so it starts once.
+    # pytest-xdist's --dist loadgroup: the tests of a module-scoped fixture (a server, a browser) as one group, so
+    # it starts once, the groups dealt first (largest first); then the slow tests, in this order, while the short
+    # ones fill in around them (no worker ends the run with a slow one alone); a few at a time to each worker.
     items.sort(key=lambda item: 'slow' not in item.keywords)
     for item in items:
         if any(defs[-1].scope == 'module' for defs in item._fixtureinfo.name2fixturedefs.values()):
